@@ -1,0 +1,150 @@
+"""Command line: ``opfuse demo | optimize MODEL | explain MODEL | patterns``.
+
+Errors (unknown model, missing directory, capture failure) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _median_ms(fn, repeat: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def latency_table(model, fused, args, kwargs, repeat: int) -> tuple[Table, dict]:
+    """Eager vs opfuse median latency (ms), one thread and all threads, interleaved."""
+    import torch
+    threads_all = torch.get_num_threads()
+    table = Table(title=f"Latency (median of {repeat} runs)")
+    for col in ("threads", "eager ms", "opfuse ms", "speed-up"):
+        table.add_column(col, justify="right")
+    results = {}
+    for threads in sorted({1, threads_all}):
+        torch.set_num_threads(threads)
+        with torch.inference_mode():
+            eager = _median_ms(lambda: model(*args, **kwargs), repeat)
+            ours = _median_ms(lambda: fused(*args, **kwargs), repeat)
+        results[threads] = (eager, ours)
+        table.add_row(str(threads), f"{eager:.2f}", f"{ours:.2f}", f"{eager / ours:.2f}x")
+    torch.set_num_threads(threads_all)
+    return table, results
+
+
+def cmd_demo(ns, console: Console) -> int:
+    import torch
+
+    import opfuse
+    from opfuse.models import load
+    from opfuse.report.text import print_report
+
+    with console.status("loading all-MiniLM-L6-v2 (real weights, offline)"):
+        loaded = load("minilm", batch=ns.batch, seq=0, attn=ns.attn)
+    model, args = loaded.model, loaded.args
+    console.print(f"[bold]all-MiniLM-L6-v2[/] ({ns.attn} attention), {len(args[0])} real sentences, "
+                  f"input_ids {list(args[0].shape)}")
+    with console.status("capture → match → cost → verify → rewrite"):
+        t = time.perf_counter()
+        fused = opfuse.optimize(model, args, theta=ns.theta, name="all-MiniLM-L6-v2")
+        cold = time.perf_counter() - t
+    print_report(fused.report, console)
+    console.print(f"optimize (cold): {cold:.2f} s")
+    with torch.inference_mode():
+        ref = model(*args).last_hidden_state
+        out = fused(*args).last_hidden_state
+    mask = args[1].unsqueeze(-1).to(ref.dtype)
+    pool = lambda h: (h * mask).sum(1) / mask.sum(1)  # noqa: E731  sentence-transformers mean pooling
+    cos = torch.nn.functional.cosine_similarity(pool(ref), pool(out), dim=-1)
+    delta = (out - ref).abs().max().item()
+    ok = cos.min().item() >= 0.99999
+    console.print(f"[bold]Correctness[/]: max |Δ| last_hidden_state = {delta:.2e}; "
+                  f"cosine of mean-pooled embeddings: min {cos.min().item():.7f} "
+                  f"[{'green' if ok else 'red'}]{'OK' if ok else 'FAIL'} (≥ 0.99999)[/]")
+    table, _ = latency_table(model, fused, args, {}, ns.repeat)
+    console.print(table)
+    return 0 if ok else 1
+
+
+def cmd_optimize(ns, console: Console, explain_only: bool = False) -> int:
+    import opfuse
+    from opfuse.models import load
+    from opfuse.report.text import print_report
+
+    loaded = load(ns.model, batch=ns.batch, seq=ns.seq, attn=ns.attn)
+    if explain_only:
+        report = opfuse.explain(loaded.model, loaded.args, theta=ns.theta, name=ns.model)
+    else:
+        report = opfuse.optimize(loaded.model, loaded.args, theta=ns.theta, name=ns.model).report
+    print_report(report, console, limit=None if ns.all else 40)
+    if ns.json:
+        report.to_json(ns.json)
+        console.print(f"wrote {ns.json}")
+    return 0
+
+
+def cmd_patterns(ns, console: Console) -> int:
+    from opfuse.patterns import LIBRARY
+    table = Table(title="Pattern library")
+    for col in ("pattern", "variant", "source spelling"):
+        table.add_column(col)
+    for p in LIBRARY:
+        doc = (p.fn.__doc__ or p.fn.__name__).strip().splitlines()[0]
+        table.add_row(p.name, p.variant + (" (retarget)" if p.retarget else ""), doc)
+    console.print(table)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="opfuse", description="pattern-aware operator fusion for Transformer inference")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    demo = sub.add_parser("demo", help="the main job: all-MiniLM-L6-v2, real weights, real sentences")
+    demo.add_argument("--theta", type=float, default=0.3)
+    demo.add_argument("--batch", type=int, default=8, help="number of sentences (≤ 8)")
+    demo.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
+    demo.add_argument("--repeat", type=int, default=30)
+    for name in ("optimize", "explain"):
+        p = sub.add_parser(name, help=f"{name} MODEL and print the report")
+        p.add_argument("model", help="minilm, bert-base, bert-tiny or a local Hugging Face directory")
+        p.add_argument("--theta", type=float, default=0.3)
+        p.add_argument("--batch", type=int, default=8)
+        p.add_argument("--seq", type=int, default=128)
+        p.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
+        p.add_argument("--json", help="also write report.to_dict() to this file")
+        p.add_argument("--all", action="store_true", help="list every region")
+    sub.add_parser("patterns", help="list the pattern library")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
+    from opfuse.report.text import wide_console
+    console = wide_console()
+    from opfuse.api import OptimizeError
+    from opfuse.graph.capture import CaptureError
+    from opfuse.models import ModelNotFound
+    try:
+        if ns.cmd == "demo":
+            return cmd_demo(ns, console)
+        if ns.cmd in ("optimize", "explain"):
+            return cmd_optimize(ns, console, explain_only=ns.cmd == "explain")
+        return cmd_patterns(ns, console)
+    except (ModelNotFound, OptimizeError, CaptureError, FileNotFoundError) as exc:
+        print(f"opfuse: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Cost model: memory traffic, FLOPs, roofline time and the fusion decision."""

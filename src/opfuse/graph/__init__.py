@@ -1,0 +1,1 @@
+"""Capture and canonicalisation of ATen FX graphs (knows no patterns)."""

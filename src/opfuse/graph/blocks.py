@@ -1,0 +1,64 @@
+"""Repeated blocks (``encoder.layer.0``, ``h.3``...) and op sequences in the seed's
+notation (``Linear MatMul Softmax MatMul Linear Add LN ...``)."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import torch
+from torch import fx
+
+from .meta import VIEW_OPS
+
+aten = torch.ops.aten
+
+_SHORT = {
+    aten.linear.default: "Linear", aten.matmul.default: "MatMul", aten.bmm.default: "MatMul",
+    aten.softmax.int: "Softmax", aten._softmax.default: "Softmax", aten.add.Tensor: "Add",
+    aten.mul.Tensor: "Mul", aten.layer_norm.default: "LN", aten.gelu.default: "GELU",
+    aten.scaled_dot_product_attention.default: "SDPA", aten.where.self: "Where", aten.silu.default: "SiLU",
+}
+_BLOCK = re.compile(r"^(.*\.\d+)$")
+
+
+def block_of(node: fx.Node) -> str | None:
+    """Innermost module path ending in an index (one element of a ModuleList)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    found = None
+    for path, _type in stack.values():
+        if _BLOCK.match(path):
+            found = path
+    return found
+
+
+def first_block(graph: fx.Graph) -> str | None:
+    """The first block of the most frequent kind (``encoder.layer.0``)."""
+    kinds = Counter()
+    first: dict[str, str] = {}
+    for n in graph.nodes:
+        b = block_of(n)
+        if b:
+            kind = re.sub(r"\d+$", "#", b)
+            kinds[kind] += 1
+            first.setdefault(kind, b)
+    return first[kinds.most_common(1)[0][0]] if kinds else None
+
+
+def op_name(node: fx.Node) -> str | None:
+    """Short name of a compute node; None for views, constants and bookkeeping."""
+    if node.op != "call_function" or node.target in VIEW_OPS or "getitem" in str(node.target):
+        return None
+    if "opfuse" in str(node.target):
+        return "[" + str(node.target).split(".")[1] + "]"
+    if node.meta.get("opfuse_pattern") and node.target is aten.linear.default:
+        return f"[{node.meta['opfuse_pattern']}]"
+    if node.target in _SHORT:
+        return _SHORT[node.target]
+    return None
+
+
+def op_sequence(graph: fx.Graph, block: str | None) -> list[str]:
+    """Compute ops of ``block`` in graph order (linears split of QKV counted once each)."""
+    return [name for n in graph.nodes
+            if (block is None or block_of(n) == block) and (name := op_name(n)) is not None]

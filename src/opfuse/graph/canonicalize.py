@@ -1,0 +1,107 @@
+"""Canonicalisation: rewrite spellings that mean the same thing into one form, so one
+pattern row covers many (see ../shared/design/MATCHING.md).
+
+Passes (each a small function, applied in order by :func:`canonicalize`):
+  drop_noops        eval-mode dropout, contiguous, clone, alias, detach, same-dtype casts -> input
+  div_to_mul        x / c (c a Python number) -> x * (1/c)
+  normalize_dims    negative dims -> positive (rank from FakeTensor meta); transpose(a,b) sorted
+
+Erf-GELU and tanh-GELU are deliberately NOT unified: they are different functions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from .args import arg
+
+aten = torch.ops.aten
+
+# Ops that compute the same value as their first argument (in inference).
+_IDENTITY = {aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default,
+             aten.lift_fresh_copy.default}
+_CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default}
+
+
+def _rank(node) -> int | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dim() if isinstance(val, torch.Tensor) else None
+
+
+def _same_tensor_type(a: fx.Node, b: fx.Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dtype == vb.dtype
+            and va.device == vb.device and va.shape == vb.shape)
+
+
+def _is_noop(node: fx.Node) -> bool:
+    t = node.target
+    if t is aten.dropout.default:
+        return arg(node, "train") is False or arg(node, "p") == 0.0
+    if t in _IDENTITY:
+        return True
+    if t in _CASTS and isinstance(node.args[0], fx.Node):
+        return _same_tensor_type(node, node.args[0])
+    return False
+
+
+def drop_noops(graph: fx.Graph) -> int:
+    """Replace no-op nodes by their input; returns how many were removed."""
+    removed = 0
+    for node in list(graph.nodes):
+        if node.op == "call_function" and _is_noop(node) and isinstance(node.args[0], fx.Node):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            removed += 1
+    return removed
+
+
+def div_to_mul(graph: fx.Graph) -> int:
+    """``div(x, c)`` with a Python number ``c`` -> ``mul(x, 1/c)``."""
+    changed = 0
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is aten.div.Tensor and len(node.args) == 2 \
+                and isinstance(node.args[1], (int, float)) and not isinstance(node.args[1], bool) \
+                and node.args[1] != 0 and not node.kwargs.get("rounding_mode"):
+            node.target = aten.mul.Tensor
+            node.args = (node.args[0], 1.0 / node.args[1])
+            changed += 1
+        elif node.op == "call_function" and node.target is aten.div.Scalar:
+            node.target = aten.mul.Tensor
+            node.args = (node.args[0], 1.0 / node.args[1])
+            changed += 1
+    return changed
+
+
+def normalize_dims(graph: fx.Graph) -> int:
+    """Negative dims -> positive, using the input's rank; transpose dims sorted."""
+    changed = 0
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        rank = _rank(node.args[0]) if node.args else None
+        if rank is None:
+            continue
+        if node.target is aten.transpose.int:
+            a, b = sorted(d % rank for d in node.args[1:3])
+            if (a, b) != tuple(node.args[1:3]):
+                node.args = (node.args[0], a, b)
+                changed += 1
+        elif node.target in (aten.softmax.int, aten._softmax.default) and isinstance(node.args[1], int):
+            if node.args[1] < 0:
+                node.args = (node.args[0], node.args[1] % rank, *node.args[2:])
+                changed += 1
+    return changed
+
+
+def canonicalize(gm_or_graph) -> fx.Graph:
+    """Apply every canonicalisation pass in place; returns the graph."""
+    graph = gm_or_graph.graph if isinstance(gm_or_graph, fx.GraphModule) else gm_or_graph
+    drop_noops(graph)
+    div_to_mul(graph)
+    normalize_dims(graph)
+    graph.lint()
+    if isinstance(gm_or_graph, fx.GraphModule):
+        gm_or_graph.recompile()
+    return graph

@@ -1,0 +1,1 @@
+"""Fused kernels: eager oracles, the backend registry, torch custom ops, CPU kernels."""

@@ -1,0 +1,10 @@
+"""CPU kernels (numba + BLAS + ATen). Importing this package registers every CPU kernel."""
+
+from opfuse.kernels.cpu import (  # noqa: F401  (imported for their @register side effect)
+    add_layernorm,
+    attention,
+    ffn,
+    layernorm_gelu,
+    linear_bias_gelu,
+    linear_residual,
+)

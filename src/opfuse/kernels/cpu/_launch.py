@@ -1,0 +1,60 @@
+"""Launcher plumbing shared by the CPU kernels: validation, float32 staging, threads.
+
+A launcher turns torch tensors into float32 C-contiguous numpy views (zero-copy when the
+input already is one, else exactly one conversion pass), so every numba kernel sees one
+type signature and compiles once.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_tensor(op: str, name: str, t: object, ndim_min: int = 1) -> torch.Tensor:
+    """Raise ValueError unless ``t`` is a CPU tensor of a supported float dtype."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"opfuse.{op}: {name} must be a Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"opfuse.{op}: {name} is on device {t.device}, expected cpu")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"opfuse.{op}: {name} has unsupported dtype {t.dtype} (expected float32, float16 or bfloat16)")
+    if t.dim() < ndim_min:
+        raise ValueError(f"opfuse.{op}: {name} must have at least {ndim_min} dims, got shape {tuple(t.shape)}")
+    return t
+
+
+def check_shape(op: str, name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"opfuse.{op}: {name} shape {tuple(t.shape)} != expected {tuple(expected)}")
+
+
+def check_same_dtype(op: str, **tensors: torch.Tensor | None) -> None:
+    dtypes = {name: t.dtype for name, t in tensors.items() if t is not None}
+    if len(set(dtypes.values())) > 1:
+        raise ValueError(f"opfuse.{op}: dtype mismatch {dtypes}")
+
+
+def f32(t: torch.Tensor) -> torch.Tensor:
+    """Detached float32 C-contiguous tensor; no copy when ``t`` already is one."""
+    return t.detach().to(dtype=torch.float32, memory_format=torch.contiguous_format)
+
+
+def f32_rows(t: torch.Tensor, n: int) -> np.ndarray:
+    """[..., n] tensor -> [M, n] float32 C-contiguous numpy view."""
+    return f32(t).reshape(-1, n).numpy()
+
+
+def f32_vec(t: torch.Tensor | None, n: int) -> np.ndarray:
+    """[n] tensor -> [n] float32 numpy; None -> zeros (a bias that adds nothing)."""
+    if t is None:
+        return np.zeros(n, dtype=np.float32)
+    return f32(t).numpy()
+
+
+def sync_threads() -> None:
+    """Give numba's prange the same thread budget as torch (cheap; called per launch)."""
+    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))

@@ -1,0 +1,173 @@
+"""Shared numba helpers for the CPU kernels: float32 GELU math and LayerNorm row passes.
+
+Everything here works on float32 scalars / float32 1-D rows and must stay float32:
+Python float literals are float64 in numba and would silently promote a loop, so every
+constant is a module-level ``np.float32`` (numba freezes globals as typed constants).
+
+Fast-math policy (see shared/design/KERNELS.md):
+  * ``_REDUCE`` = full fastmath, only on loops that *sum* (reassociation lets LLVM keep
+    8-wide partial sums in ymm registers).
+  * ``_APPLY`` = fastmath WITHOUT ``reassoc``: elementwise loops vectorise without it,
+    and reassociation would fold ``(x - shift) - mean`` into ``x - (shift + mean)``,
+    undoing the exact shift of the LayerNorm statistics.
+Flags are per instruction, so they survive LLVM inlining one helper into another.
+
+erf:  rational minimax approximation p(x)/q(x), x clamped to [-4, 4] (erf(4) = 1 - 1.5e-8
+      rounds to 1 in float32); max abs error ~3e-7. Coefficients from Eigen
+      ``generic_fast_erf_float`` (also XLA ``EmitErfF32`` / TVM ``fast_erf``).
+tanh: 13/6-degree rational interpolant, x clamped to [-7.905, 7.905] (beyond that tanh
+      rounds to +-1); a few ulp. Coefficients from Eigen ``generic_fast_tanh_float``
+      (also ONNX Runtime MLAS ``tanh.cpp``). No exp, no libm call: both vectorise to
+      vfmadd/vdivps on AVX2 without SVML.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+_REDUCE = True
+_APPLY = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}  # everything except reassoc
+_JIT = dict(error_model="numpy", cache=True)
+
+_F0 = np.float32(0.0)
+_F1 = np.float32(1.0)
+_HALF = np.float32(0.5)
+
+# erf(x) ~= x * P(x^2) / Q(x^2) on [-4, 4]  (Eigen generic_fast_erf_float)
+_ERF_CLAMP = np.float32(4.0)
+_ERF_A1 = np.float32(-1.60960333262415e-02)
+_ERF_A3 = np.float32(-2.95459980854025e-03)
+_ERF_A5 = np.float32(-7.34990630326855e-04)
+_ERF_A7 = np.float32(-5.69250639462346e-05)
+_ERF_A9 = np.float32(-2.10102402082508e-06)
+_ERF_A11 = np.float32(2.77068142495902e-08)
+_ERF_A13 = np.float32(-2.72614225801306e-10)
+_ERF_B0 = np.float32(-1.42647390514189e-02)
+_ERF_B2 = np.float32(-7.37332916720468e-03)
+_ERF_B4 = np.float32(-1.68282697438203e-03)
+_ERF_B6 = np.float32(-2.13374055278905e-04)
+_ERF_B8 = np.float32(-1.45660718464996e-05)
+
+# tanh(x) ~= x * P(x^2) / Q(x^2) on [-7.905, 7.905]  (Eigen generic_fast_tanh_float)
+_TANH_CLAMP = np.float32(7.90531110763549805)
+_TANH_A1 = np.float32(4.89352455891786e-03)
+_TANH_A3 = np.float32(6.37261928875436e-04)
+_TANH_A5 = np.float32(1.48572235717979e-05)
+_TANH_A7 = np.float32(5.12229709037114e-08)
+_TANH_A9 = np.float32(-8.60467152213735e-11)
+_TANH_A11 = np.float32(2.00018790482477e-13)
+_TANH_A13 = np.float32(-2.76076847742355e-16)
+_TANH_B0 = np.float32(4.89352518554385e-03)
+_TANH_B2 = np.float32(2.26843463243900e-03)
+_TANH_B4 = np.float32(1.18534705686654e-04)
+_TANH_B6 = np.float32(1.19825839466702e-06)
+
+_INV_SQRT2 = np.float32(0.7071067811865476)  # erf-GELU:  0.5 x (1 + erf(x / sqrt 2))
+_SQRT_2_OVER_PI = np.float32(0.7978845608028654)  # tanh-GELU: 0.5 x (1 + tanh(c (x + 0.044715 x^3)))
+_GELU_CUBIC = np.float32(0.044715)
+
+
+@njit(fastmath=_APPLY, **_JIT)
+def erf_f32(x):
+    """erf(x) for a float32 scalar, |error| <= ~3e-7 (rational minimax, see module doc)."""
+    x = min(max(x, -_ERF_CLAMP), _ERF_CLAMP)
+    x2 = x * x
+    p = x2 * _ERF_A13 + _ERF_A11
+    p = x2 * p + _ERF_A9
+    p = x2 * p + _ERF_A7
+    p = x2 * p + _ERF_A5
+    p = x2 * p + _ERF_A3
+    p = x2 * p + _ERF_A1
+    q = x2 * _ERF_B8 + _ERF_B6
+    q = x2 * q + _ERF_B4
+    q = x2 * q + _ERF_B2
+    q = x2 * q + _ERF_B0
+    return x * p / q
+
+
+@njit(fastmath=_APPLY, **_JIT)
+def tanh_f32(x):
+    """tanh(x) for a float32 scalar, a few ulp (rational interpolant, see module doc)."""
+    x = min(max(x, -_TANH_CLAMP), _TANH_CLAMP)
+    x2 = x * x
+    p = x2 * _TANH_A13 + _TANH_A11
+    p = x2 * p + _TANH_A9
+    p = x2 * p + _TANH_A7
+    p = x2 * p + _TANH_A5
+    p = x2 * p + _TANH_A3
+    p = x2 * p + _TANH_A1
+    q = x2 * _TANH_B6 + _TANH_B4
+    q = x2 * q + _TANH_B2
+    q = x2 * q + _TANH_B0
+    return x * p / q
+
+
+@njit(fastmath=_APPLY, **_JIT)
+def gelu_erf_f32(x):
+    """Exact-form GELU (approximate="none"): 0.5 x (1 + erf(x / sqrt 2))."""
+    return _HALF * x * (_F1 + erf_f32(x * _INV_SQRT2))
+
+
+@njit(fastmath=_APPLY, **_JIT)
+def gelu_tanh_f32(x):
+    """Tanh-form GELU (approximate="tanh"); a different function from gelu_erf_f32."""
+    return _HALF * x * (_F1 + tanh_f32(_SQRT_2_OVER_PI * (x + _GELU_CUBIC * x * x * x)))
+
+
+# --- LayerNorm row passes --------------------------------------------------------------
+# Statistics are "shifted two-pass": y_j = v_j - v_0 is stored first (exact when v_j and
+# v_0 are within a factor of 2, which is the mean-1e4 case that breaks naive float32),
+# then mean and variance are two fastmath reductions over the stored y, then the apply
+# pass normalises y. Storing y is what keeps reassociation from undoing the shift.
+
+
+@njit(fastmath=_REDUCE, **_JIT)
+def row_mean(y):  # y: [N] f32 shifted row; read N
+    acc = _F0
+    for j in range(y.shape[0]):
+        acc += y[j]
+    return acc / np.float32(y.shape[0])
+
+
+@njit(fastmath=_REDUCE, **_JIT)
+def row_rstd(y, mean, eps):  # y: [N] f32 shifted row; read N
+    acc = _F0
+    for j in range(y.shape[0]):
+        d = y[j] - mean
+        acc += d * d
+    return _F1 / np.sqrt(acc / np.float32(y.shape[0]) + eps)
+
+
+@njit(fastmath=_APPLY, **_JIT)
+def row_shift(x, y):  # x: [N] f32 in, y: [N] f32 out; read N, write N
+    c = x[0]
+    for j in range(x.shape[0]):
+        y[j] = x[j] - c
+
+
+@njit(fastmath=_APPLY, **_JIT)
+def row_normalize(y, mean, rstd, w, b):  # y: [N] f32 in place, w, b: [N]; read 3N, write N
+    for j in range(y.shape[0]):
+        y[j] = (y[j] - mean) * rstd * w[j] + b[j]
+
+
+@njit(fastmath=_APPLY, **_JIT)
+def row_normalize_gelu(y, mean, rstd, w, b, use_tanh):  # y: [N] f32 in place; read 3N, write N
+    if use_tanh:
+        for j in range(y.shape[0]):
+            y[j] = gelu_tanh_f32((y[j] - mean) * rstd * w[j] + b[j])
+    else:
+        for j in range(y.shape[0]):
+            y[j] = gelu_erf_f32((y[j] - mean) * rstd * w[j] + b[j])
+
+
+@njit(fastmath=_APPLY, **_JIT)
+def row_bias_gelu(y, b, use_tanh):  # y: [N] f32 in place, b: [N]; read 2N, write N
+    if use_tanh:
+        for j in range(y.shape[0]):
+            y[j] = gelu_tanh_f32(y[j] + b[j])
+    else:
+        for j in range(y.shape[0]):
+            y[j] = gelu_erf_f32(y[j] + b[j])
+

@@ -1,0 +1,78 @@
+"""ffn: out = gelu(x @ w1.T + b1) @ w2.T + b2, processed in row blocks.
+
+    for each block of `block_rows` rows:
+        x_blk ── GEMM1 (BLAS) ── h [block_rows, H] ── +b1, gelu (numba, in place)
+                                                    └── GEMM2 + b2 (BLAS addmm) ──► out_blk
+
+The [block_rows, H] intermediate lives in one reused buffer small enough for L2, so the
+[M, H] hidden activation of eager never round-trips through memory. Traffic (float32):
+read MK + MN' output write + weights once per block (HK + N'H, cache-resident for typical
+sizes); eager additionally writes and reads [M, H] three times (addmm, gelu, addmm).
+"""
+
+from __future__ import annotations
+
+import torch
+from numba import njit, prange
+
+from opfuse.kernels.cpu import _math
+from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32, f32_vec, sync_threads
+from opfuse.kernels.registry import register
+
+APPROXIMATE = ("none", "tanh")
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def _ffn_kernel(h, b1, use_tanh):
+    # h: [rows, H] f32 block of GEMM1, overwritten by gelu(h + b1); b1: [H] f32
+    for i in prange(h.shape[0]):
+        _math.row_bias_gelu(h[i], b1, use_tanh)  # read H + H, write H (L2-resident)
+
+
+@register("ffn", "cpu")
+def ffn(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    approximate: str,
+    block_rows: int,
+) -> torch.Tensor:
+    """Linear(K->H) -> GELU -> Linear(H->N); x [..., K], w1 [H, K], b1 [H], w2 [N, H], b2 [N]."""
+    op = "ffn"
+    for name, t in (("x", x), ("b1", b1), ("b2", b2)):
+        check_tensor(op, name, t)
+    check_tensor(op, "w1", w1, ndim_min=2)
+    check_tensor(op, "w2", w2, ndim_min=2)
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"opfuse.{op}: approximate must be one of {APPROXIMATE}, got {approximate!r}")
+    if int(block_rows) < 1:
+        raise ValueError(f"opfuse.{op}: block_rows must be >= 1, got {block_rows}")
+    k = x.shape[-1]
+    hidden = w1.shape[0]
+    n = w2.shape[0]
+    check_shape(op, "w1", w1, (hidden, k))
+    check_shape(op, "b1", b1, (hidden,))
+    check_shape(op, "w2", w2, (n, hidden))
+    check_shape(op, "b2", b2, (n,))
+    check_same_dtype(op, x=x, w1=w1, w2=w2)
+
+    x2 = f32(x).reshape(-1, k)  # [M, K]
+    m = x2.shape[0]
+    w1t = f32(w1).t()  # [K, H] view
+    w2t = f32(w2).t()  # [H, N] view
+    b1n = f32_vec(b1, hidden)  # [H]
+    b2f = f32(b2)  # [N]
+    rows = min(int(block_rows), max(m, 1))
+    h_buf = torch.empty((rows, hidden), dtype=torch.float32)  # [block_rows, H], reused per block
+    out = torch.empty((m, n), dtype=torch.float32)  # [M, N]
+    use_tanh = approximate == "tanh"
+    sync_threads()
+    for r0 in range(0, m, rows):
+        r1 = min(r0 + rows, m)
+        h = h_buf[: r1 - r0]  # [rows, H]
+        torch.mm(x2[r0:r1], w1t, out=h)  # read rows*K + HK, write rows*H
+        _ffn_kernel(h.numpy(), b1n, use_tanh)  # read rows*H, write rows*H (cache)
+        torch.addmm(b2f, h, w2t, out=out[r0:r1])  # read rows*H + NH, write rows*N
+    return out.view(*x.shape[:-1], n).to(x.dtype)

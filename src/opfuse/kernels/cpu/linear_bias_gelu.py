@@ -1,0 +1,50 @@
+"""linear_bias_gelu: out = gelu(x @ weight.T + bias).
+
+    x ── GEMM (BLAS, into out) ── +bias, gelu (numba, in place) ──► out
+
+The GEMM goes to BLAS (torch.mm into a preallocated float32 output); the epilogue is one
+in-place pass. Traffic of the epilogue (float32): read MN (+N), write MN. Eager: addmm
+then gelu adds one extra read MN + write MN of a fresh tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from opfuse.kernels.cpu import _math
+from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32, f32_vec, sync_threads
+from opfuse.kernels.registry import register
+
+APPROXIMATE = ("none", "tanh")
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def _linear_bias_gelu_kernel(h, b, use_tanh):
+    # h: [M, N] f32, GEMM result, overwritten by gelu(h + b); b: [N] f32
+    for i in prange(h.shape[0]):
+        _math.row_bias_gelu(h[i], b, use_tanh)  # read N + N, write N
+
+
+@register("linear_bias_gelu", "cpu")
+def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
+    """gelu(x @ weight.T + bias); x [..., K], weight [N, K], bias [N] -> [..., N]."""
+    op = "linear_bias_gelu"
+    check_tensor(op, "x", x)
+    check_tensor(op, "weight", weight, ndim_min=2)
+    check_tensor(op, "bias", bias)
+    if approximate not in APPROXIMATE:
+        raise ValueError(f"opfuse.{op}: approximate must be one of {APPROXIMATE}, got {approximate!r}")
+    k = x.shape[-1]
+    n = weight.shape[0]
+    check_shape(op, "weight", weight, (n, k))
+    check_shape(op, "bias", bias, (n,))
+    check_same_dtype(op, x=x, weight=weight)
+
+    x2 = f32(x).reshape(-1, k)  # [M, K]
+    out = torch.empty((x2.shape[0], n), dtype=torch.float32)  # [M, N]
+    torch.mm(x2, f32(weight).t(), out=out)  # BLAS: read MK + NK, write MN
+    sync_threads()
+    _linear_bias_gelu_kernel(out.numpy(), f32_vec(bias, n), approximate == "tanh")
+    return out.view(*x.shape[:-1], n).to(x.dtype)

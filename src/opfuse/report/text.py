@@ -1,0 +1,114 @@
+"""Terminal rendering of a :class:`~opfuse.report.data.FusionReport` with ``rich``."""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+MB = 1e6
+_COLOUR = {"fused": "green", "rejected": "yellow", "reverted": "red"}
+
+
+def region_table(report, show: str = "all", limit: int | None = None, block: str | None = None) -> Table:
+    """Table of regions: pattern, decision, reason, bytes before/after (MB), ρ, I (FLOP/B).
+    With ``block``, only regions of that block and those outside any block."""
+    title = "Regions" + (f" of {block} and outside the repeated blocks" if block else "")
+    table = Table(title=title, show_lines=False, expand=False)
+    for col, kw in [("pattern", {}), ("anchor", {}), ("decision", {}), ("MB before", {"justify": "right"}),
+                    ("MB after", {"justify": "right"}), ("ρ", {"justify": "right"}),
+                    ("I (FLOP/B)", {"justify": "right"}), ("max err", {"justify": "right"}),
+                    ("reason", {"overflow": "fold", "max_width": 60})]:
+        table.add_column(col, **kw)
+    rows = [r for r in report.regions if (show == "all" or r.decision == show)
+            and (block is None or r.block in (block, ""))]
+    for r in rows[:limit]:
+        table.add_row(f"{r.pattern}/{r.variant}", r.anchor, Text(r.decision, style=_COLOUR.get(r.decision, "")),
+                      f"{r.bytes_unfused / MB:.3f}", f"{r.bytes_fused / MB:.3f}", f"{r.rho:.2f}",
+                      f"{r.intensity:.1f}", "" if r.verify_error is None else f"{r.verify_error:.1e}", r.reason)
+    if limit is not None and len(rows) > limit:
+        table.caption = f"... {len(rows) - limit} more regions (report.to_dict() has them all)"
+    return table
+
+
+def pattern_table(report) -> Table:
+    """One row per pattern: regions fused / matched, traffic before/after (MB), mean ρ, I."""
+    table = Table(title="Per pattern")
+    for col in ("pattern", "fused / matched", "MB before", "MB after", "mean ρ", "I (FLOP/B)"):
+        table.add_column(col, justify="left" if col == "pattern" else "right")
+    groups: dict[str, list] = {}
+    for r in report.regions:
+        groups.setdefault(r.pattern, []).append(r)
+    for name, rows in groups.items():
+        fused = [r for r in rows if r.decision == "fused"]
+        before = sum(r.bytes_unfused for r in fused) / MB
+        after = sum(r.bytes_fused for r in fused) / MB
+        mean_rho = sum(r.rho for r in rows) / len(rows)
+        inten = sum(r.flops for r in fused) / max(1, sum(r.bytes_fused for r in fused))
+        table.add_row(name, f"{len(fused)} / {len(rows)}", f"{before:.2f}", f"{after:.2f}", f"{mean_rho:.2f}",
+                      f"{inten:.1f}")
+    return table
+
+
+def near_miss_table(report) -> Table:
+    table = Table(title="Near misses (came close, did not fuse)")
+    table.add_column("pattern")
+    table.add_column("node")
+    table.add_column("reason", overflow="fold", max_width=90)
+    for nm in report.near_misses:
+        table.add_row(f"{nm['pattern']}/{nm['variant']}", nm["node"], nm["reason"])
+    return table
+
+
+def totals_text(report) -> Text:
+    t = report.totals
+    per = ", ".join(f"{k} {v}" for k, v in sorted(t["per_pattern"].items())) or "none"
+    err = "not checked" if t["max_error"] is None else f"{t['max_error']:.2e}"
+    return Text.assemble(
+        ("Memory traffic: ", "bold"), f"{t['bytes_unfused'] / MB:.2f} MB -> {t['bytes_fused'] / MB:.2f} MB "
+        f"({100 * t['reduction']:.1f}% less)\n",
+        ("Fused regions: ", "bold"), f"{t['fused_regions']} ({per})\n",
+        ("Verification: ", "bold"), ("per region on the example inputs" if report.verified
+                                     else "SKIPPED (verify=False)") + f"; max model error {err}")
+
+
+def header_text(report) -> Text:
+    return Text.assemble(("opfuse ", "bold cyan"), f"{report.version}  model {report.model}  "
+                         f"inputs {', '.join(report.inputs)}  dtype {report.dtype}  device {report.device}  "
+                         f"θ={report.theta}")
+
+
+def render(report, limit: int | None = 40, block_only: bool = True) -> Group:
+    """Header, op sequence of one block before/after, regions (of the first repeated block
+    unless ``block_only`` is False), per-pattern totals, traffic totals, near misses."""
+    parts = [header_text(report)]
+    first = next((r.block for r in report.regions if r.block), "")
+    if report.ops_before:
+        parts.append(Text.assemble((f"one block ({first or 'whole graph'}) before: ", "bold"),
+                                   " ".join(report.ops_before)))
+        parts.append(Text.assemble((f"one block ({first or 'whole graph'}) after:  ", "bold"),
+                                   " ".join(report.ops_after)))
+    table = region_table(report, limit=limit, block=first if block_only else None)
+    parts += [table, pattern_table(report), totals_text(report)]
+    if report.near_misses:
+        parts.append(near_miss_table(report))
+    return Group(*parts)
+
+
+def wide_console() -> Console:
+    """A console at least 150 columns wide (rich defaults to 80 when not on a terminal)."""
+    console = Console()
+    if not console.is_terminal or console.width < 150:
+        console = Console(width=max(150, console.width))
+    return console
+
+
+def print_report(report, console: Console | None = None, limit: int | None = 40) -> None:
+    (console or wide_console()).print(render(report, limit))
+
+
+def render_text(report, width: int = 160) -> str:
+    """The report as plain text (no colour codes)."""
+    console = Console(width=width, record=True, color_system=None, file=open("/dev/null", "w"))
+    console.print(render(report, limit=None, block_only=False))
+    return console.export_text()

@@ -1,0 +1,131 @@
+"""Rewrite selected regions of an ATen FX graph into calls of opfuse's custom ops.
+
+Each region's outputs (and intermediates it emits) are replaced by the nodes its
+pattern's ``build`` emits; consumers are rewired, region nodes erased (consumers before
+producers), constant sub-expressions of parameters (the concatenated QKV weight) folded
+into new parameters, parameters left without users dropped, then ``graph.lint()``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from .kernels import ops as _ops  # noqa: F401  (registers torch.ops.opfuse.*)
+
+aten = torch.ops.aten
+
+
+class RewriteError(RuntimeError):
+    """A selected region could not be scheduled in the graph; the message names it."""
+
+
+def _resolve(value, replaced: dict):
+    while isinstance(value, fx.Node) and value in replaced:
+        value = replaced[value]
+    return value
+
+
+def rewrite_region(gm: fx.GraphModule, cand, replaced: dict) -> list[fx.Node]:
+    """Replace one candidate region in ``gm``; returns the new output nodes.
+
+    Raises:
+        RewriteError: when an external input is produced after a consumer of an
+            emitted intermediate (no legal insertion point).
+    """
+    graph = gm.graph
+    match = cand.match
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    inputs = {k: _resolve(v, replaced) for k, v in match.inputs.items()}
+    region = set(match.nodes.values())
+    olds = list(match.outputs) + list(match.emitted)
+    ext_inputs = [v for v in inputs.values() if isinstance(v, fx.Node)]
+    point = max(ext_inputs, key=order.__getitem__)
+    for old in olds:
+        for user in old.users:
+            if user not in region and order[user] <= order[point]:
+                raise RewriteError(f"{match.pattern.name} at {match.anchor.name}: {user.name} uses "
+                                   f"{old.name} before input {point.name} is ready")
+    params = dict(match.params, emit=bool(match.emitted))
+    existing = set(graph.nodes)
+    with graph.inserting_before(point.next):
+        news = match.pattern.build(graph, inputs, match.literals, params)
+    for node in graph.nodes:
+        if node not in existing:
+            node.meta["opfuse_pattern"] = match.pattern.name
+            node.meta.setdefault("nn_module_stack", match.anchor.meta.get("nn_module_stack", {}))
+    for old, new in zip(olds, news):
+        new.meta["val"] = old.meta.get("val")
+        new.meta["nn_module_stack"] = match.anchor.meta.get("nn_module_stack", {})
+        new.meta["opfuse_pattern"] = match.pattern.name
+        old.replace_all_uses_with(new)
+        replaced[old] = new
+    for node in reversed(list(graph.nodes)):
+        if node in region and not node.users:
+            graph.erase_node(node)
+    return news
+
+
+def fold_parameter_concats(gm: fx.GraphModule) -> int:
+    """``cat`` of parameters (``get_attr`` only) -> one new parameter, computed once."""
+    folded = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten.cat.default and \
+                all(isinstance(a, fx.Node) and a.op == "get_attr" for a in node.args[0]):
+            tensors = [_get_attr(gm, a.target) for a in node.args[0]]
+            with torch.no_grad():
+                value = torch.cat([t.detach() for t in tensors], *node.args[1:])
+            name = f"opfuse_folded_{folded}_{node.name}"
+            gm.register_buffer(name, value)
+            with gm.graph.inserting_before(node):
+                new = gm.graph.get_attr(name)
+            new.meta["val"] = node.meta.get("val")
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            folded += 1
+    return folded
+
+
+def _get_attr(gm: torch.nn.Module, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def drop_unused_parameters(gm: fx.GraphModule) -> int:
+    """Erase ``get_attr`` nodes without users and free the tensors nobody references."""
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            gm.graph.erase_node(node)
+    still = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for name, _ in list(gm.named_parameters()) + list(gm.named_buffers()):
+        if name not in still:
+            owner_path, _, attr = name.rpartition(".")
+            owner = _get_attr(gm, owner_path) if owner_path else gm
+            if attr in owner._parameters:
+                del owner._parameters[attr]
+            elif attr in owner._buffers:
+                del owner._buffers[attr]
+            dropped += 1
+    return dropped
+
+
+def rewrite(gm: fx.GraphModule, cands: list) -> None:
+    """Rewrite every candidate whose decision is ``"fused"`` (in graph order); a region
+    that cannot be scheduled is marked ``rejected`` with the reason."""
+    replaced: dict = {}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for cand in sorted((c for c in cands if c.decision == "fused"), key=lambda c: order[c.match.anchor]):
+        try:
+            rewrite_region(gm, cand, replaced)
+        except RewriteError as exc:
+            cand.decision, cand.reason = "rejected", str(exc)
+    fold_parameter_concats(gm)
+    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op != "call_function" or
+                                 getattr(n.target, "_schema", None) is None or n.target._schema.is_mutable
+                                 or "assert" in str(n.target))
+    drop_unused_parameters(gm)
+    gm.graph.lint()
+    gm.recompile()

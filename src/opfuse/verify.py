@@ -1,0 +1,113 @@
+"""Verification: every fused region is run on the example inputs and compared with the
+values its unfused subgraph produced; a region outside the dtype-aware tolerance is
+reverted (left unfused) and the report says so with the error.
+
+Tolerance (one place, per dtype): error = max|Δ| / max(1, max|ref|) (a relative error
+for large values, absolute below 1); NaN/Inf must appear at the same positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from .kernels import ops as _ops  # noqa: F401
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float64: 1e-8}
+
+
+class VerificationError(RuntimeError):
+    """Raised under ``strict=True`` when a fused region fails verification."""
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return TOLERANCE.get(dtype, 1e-4)
+
+
+def compare(out, ref) -> float:
+    """Scaled max error between two tensors (see module docstring); ``inf`` when the
+    NaN/Inf pattern differs or the shapes differ."""
+    if not isinstance(out, torch.Tensor) or not isinstance(ref, torch.Tensor) or out.shape != ref.shape:
+        return float("inf")
+    o, r = out.detach().double(), ref.detach().double()
+    if not torch.equal(torch.isnan(o), torch.isnan(r)) or not torch.equal(torch.isinf(o), torch.isinf(r)):
+        return float("inf")
+    if torch.isinf(r).any() and not torch.equal(o[torch.isinf(r)], r[torch.isinf(r)]):
+        return float("inf")
+    finite = torch.isfinite(r)
+    if not finite.any():
+        return 0.0
+    diff = (o[finite] - r[finite]).abs().max().item()
+    return diff / max(1.0, r[finite].abs().max().item())
+
+
+def record_values(gm: fx.GraphModule, args: tuple, kwargs: dict) -> dict[fx.Node, object]:
+    """Run ``gm`` once, keeping every node's value (for per-region checks)."""
+    env: dict[fx.Node, object] = {}
+
+    class _Recorder(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            env[n] = out
+            return out
+
+    flat = gm.graph._codegen.process_inputs(tuple(args), dict(kwargs))
+    with torch.no_grad():
+        _Recorder(gm).run(*flat)
+    return env
+
+
+def run_region(cand, env: dict) -> list:
+    """Evaluate ``cand``'s fused replacement on the recorded values of its inputs."""
+    match = cand.match
+    graph = fx.Graph()
+    inputs = {}
+    feeds = []
+    for name, node in match.inputs.items():
+        if isinstance(node, fx.Node):
+            inputs[name] = graph.placeholder(name)
+            feeds.append(env[node])
+        else:
+            inputs[name] = node
+    outs = match.pattern.build(graph, inputs, match.literals, dict(match.params, emit=bool(match.emitted)))
+    graph.output(tuple(outs))
+    module = fx.GraphModule(torch.nn.Module(), graph)
+    with torch.no_grad():
+        return list(module(*feeds))
+
+
+def verify_regions(gm: fx.GraphModule, cands: list, args: tuple, kwargs: dict, strict: bool = False) -> None:
+    """Check each candidate marked ``fused``; failing ones become ``reverted`` (or raise
+    :class:`VerificationError` when ``strict``)."""
+    chosen = [c for c in cands if c.decision == "fused"]
+    if not chosen:
+        return
+    env = record_values(gm, args, kwargs)
+    for cand in chosen:
+        refs = [env[n] for n in list(cand.match.outputs) + list(cand.match.emitted)]
+        try:
+            outs = run_region(cand, env)
+            err = max(compare(o, r) for o, r in zip(outs, refs))
+            problem = None if err <= tolerance(refs[0].dtype) else \
+                f"max error {err:.3g} > tolerance {tolerance(refs[0].dtype):g} for {refs[0].dtype}"
+        except Exception as exc:  # a kernel that raises on real inputs is a failed check
+            err, problem = float("inf"), f"kernel raised {type(exc).__name__}: {exc}"
+        cand.verify_error = err
+        if problem:
+            message = f"{cand.match.pattern.name} at {cand.match.anchor.name}: verification failed: {problem}"
+            if strict:
+                raise VerificationError(message)
+            cand.decision, cand.reason = "reverted", message
+
+
+def model_error(model: torch.nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict) -> float:
+    """Max :func:`compare` error over every tensor output of the rewritten ``gm`` vs the
+    eager ``model`` on the example inputs."""
+    from torch.utils._pytree import tree_leaves
+    with torch.no_grad():
+        ref = tree_leaves(model(*args, **kwargs))
+        out = tree_leaves(gm(*args, **kwargs))
+    pairs = [(o, r) for o, r in zip(out, ref) if isinstance(r, torch.Tensor) and r.is_floating_point()]
+    if len(out) != len(ref):
+        return float("inf")
+    return max((compare(o, r) for o, r in pairs), default=0.0)

@@ -1,0 +1,55 @@
+"""End to end on real Hugging Face models: outputs equal eager, expected counts per pattern."""
+
+import pytest
+import torch
+
+import opfuse
+from opfuse.models import load
+
+
+def _run(loaded, **kw):
+    fused = opfuse.optimize(loaded.model, loaded.args, **kw)
+    with torch.no_grad():
+        ref = loaded.model(*loaded.args)
+        out = fused(*loaded.args)
+    return fused, ref, out
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_tiny_bert_equals_eager_and_fuses(attn):
+    loaded = load("bert-tiny", batch=4, seq=64, attn=attn)
+    fused, ref, out = _run(loaded)
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.pooler_output, ref.pooler_output, atol=1e-4, rtol=1e-4)
+    counts = fused.report.counts()
+    assert counts["attention"] == 2 and counts["qkv_merge"] == 2
+    assert counts["add_layernorm"] == 4
+    # the embeddings LayerNorm's add broadcasts position embeddings [1,S,E]: refused, with the reason
+    emb = [r for r in fused.report.regions if r.anchor == "layer_norm"]
+    assert emb and emb[0].decision == "rejected" and "broadcast" in emb[0].reason
+    # unknown ops stay: the fused graph still computes the pooler's tanh
+    other = loaded.args[0].clone()
+    other[0, :5] = 7
+    with torch.no_grad():
+        torch.testing.assert_close(fused(other, loaded.args[1]).last_hidden_state,
+                                   loaded.model(other, loaded.args[1]).last_hidden_state, atol=1e-4, rtol=1e-4)
+
+
+def test_minilm_real_weights():
+    loaded = load("minilm", batch=8, seq=128, attn="eager")
+    fused, ref, out = _run(loaded)
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, atol=1e-4, rtol=1e-4)
+    counts = fused.report.counts()
+    assert counts == {"attention": 6, "qkv_merge": 6, "add_layernorm": 12, "bias_gelu": 6}, counts
+    t = fused.report.totals
+    assert t["bytes_fused"] < 0.8 * t["bytes_unfused"]
+
+
+def test_minilm_sentences_cosine():
+    loaded = load("minilm", batch=8, seq=0, attn="sdpa")
+    fused, ref, out = _run(loaded)
+    mask = loaded.args[1].unsqueeze(-1).float()
+    pool = lambda h: (h * mask).sum(1) / mask.sum(1)  # noqa: E731
+    cos = torch.nn.functional.cosine_similarity(pool(ref.last_hidden_state), pool(out.last_hidden_state))
+    assert cos.min() >= 0.99999
+    assert fused.report.counts()["attention"] == 6
