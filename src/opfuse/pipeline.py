@@ -62,7 +62,8 @@ def cost(cands: list[Candidate], device: DeviceProfile) -> None:
 def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, theta: float = 0.3,
         device: DeviceProfile | None = None, verify: bool = True, strict: bool = False,
         rewrite_graph: bool = True, patterns: list[Pattern] | None = None, name: str | None = None) -> Plan:
-    """capture → canonicalize → match → legality → cost → select → verify → rewrite → report."""
+    """capture → canonicalize → match → legality → cost → select → verify → rewrite
+    → report (→ whole-model check when ``verify``)."""
     kwargs = dict(kwargs or {})
     timings: dict[str, float] = {}
     t0 = time.perf_counter()

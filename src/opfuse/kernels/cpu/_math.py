@@ -9,7 +9,8 @@ Fast-math policy (see shared/design/KERNELS.md):
     8-wide partial sums in ymm registers).
   * ``_APPLY`` = fastmath WITHOUT ``reassoc``: elementwise loops vectorise without it,
     and reassociation would fold ``(x - shift) - mean`` into ``x - (shift + mean)``,
-    undoing the exact shift of the LayerNorm statistics.
+    undoing the exact shift of the LayerNorm statistics. Also without ``arcp``: p / q
+    stays a true vdivps, measured ~5% faster than LLVM's rcp + Newton step here.
 Flags are per instruction, so they survive LLVM inlining one helper into another.
 
 erf:  rational minimax approximation p(x)/q(x), x clamped to [-4, 4] (erf(4) = 1 - 1.5e-8
@@ -27,7 +28,7 @@ import numpy as np
 from numba import njit
 
 _REDUCE = True
-_APPLY = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}  # everything except reassoc
+_APPLY = {"nnan", "ninf", "nsz", "contract", "afn"}  # no reassoc; no arcp: vdivps beats rcp+Newton here
 _JIT = dict(error_model="numpy", cache=True)
 
 _F0 = np.float32(0.0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from numba import njit, prange
 
-from opfuse.kernels.cpu import _math
+from opfuse.kernels.cpu import _gemm, _math
 from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32, f32_vec, sync_threads
 from opfuse.kernels.registry import register
 
@@ -60,8 +60,8 @@ def ffn(
 
     x2 = f32(x).reshape(-1, k)  # [M, K]
     m = x2.shape[0]
-    w1t = f32(w1).t()  # [K, H] view
-    w2t = f32(w2).t()  # [H, N] view
+    w1f = f32(w1)  # [H, K]
+    w2f = f32(w2)  # [N, H]
     b1n = f32_vec(b1, hidden)  # [H]
     b2f = f32(b2)  # [N]
     rows = min(int(block_rows), max(m, 1))
@@ -72,7 +72,9 @@ def ffn(
     for r0 in range(0, m, rows):
         r1 = min(r0 + rows, m)
         h = h_buf[: r1 - r0]  # [rows, H]
-        torch.mm(x2[r0:r1], w1t, out=h)  # read rows*K + HK, write rows*H
+        _gemm.matmul(x2[r0:r1], w1f, h)  # read rows*K + HK, write rows*H
         _ffn_kernel(h.numpy(), b1n, use_tanh)  # read rows*H, write rows*H (cache)
-        torch.addmm(b2f, h, w2t, out=out[r0:r1])  # read rows*H + NH, write rows*N
+        blk = out[r0:r1]  # [rows, N], C-contiguous slice
+        blk.copy_(b2f.expand_as(blk))  # write rows*N: C = b2, the GEMM accumulates (beta = 1)
+        _gemm.matmul_accumulate(h, w2f, blk)  # read rows*H + NH + rows*N, write rows*N
     return out.view(*x.shape[:-1], n).to(x.dtype)

@@ -11,11 +11,10 @@ Traffic (float32): read MN (+N) + write MN for the seed, then BLAS accumulates i
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from numba import njit, prange
 
-from opfuse.kernels.cpu import _math
+from opfuse.kernels.cpu import _gemm, _math
 from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32, f32_rows, f32_vec, sync_threads
 from opfuse.kernels.registry import register
 
@@ -56,5 +55,5 @@ def linear_residual(
     out = torch.empty((x2.shape[0], n), dtype=torch.float32)  # [M, N]
     sync_threads()
     _linear_residual_kernel(f32_rows(residual, n), f32_vec(bias, n), out.numpy())  # read MN, write MN
-    out.addmm_(x2, f32(weight).t())  # BLAS, beta=1: read MK + NK + MN, write MN
+    _gemm.matmul_accumulate(x2, f32(weight), out)  # BLAS, beta=1: read MK + NK + MN, write MN
     return out.view(*x.shape[:-1], n).to(x.dtype)
