@@ -1,0 +1,187 @@
+"""``torch.compile(model, backend="opfuse")``: the pipeline on the graphs dynamo hands over.
+
+Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so the
+string ``"opfuse"`` works once the package is installed; :func:`opfuse_backend` can also
+be passed directly (``torch.compile(model, backend=opfuse_backend)``).
+
+::
+
+    dynamo ── FX graph (torch level) + example inputs ──► opfuse_backend(gm, example_inputs)
+                                                              │ returns a CompiledGraph (callable)
+    first call with a new signature ─► bind parameters/buffers as attributes (so the QKV
+        merge can pre-concatenate them) ─► opfuse.optimize (torch.export → ... → verify)
+    any failure ─► gm.forward, with the reason recorded in ``CompiledGraph.fallbacks``
+
+Each graph piece (one per graph break) is optimized on its own. Plans are cached per input
+signature (shapes, dtypes, devices, contiguity) and per identity and version of every
+parameter/buffer input, so a weight updated in place, or another module instance running
+the same graph, is re-optimized rather than run on stale folded weights. Calls that need
+autograd (grad mode on and an input that requires grad) and graphs traced in training
+mode (dropout active) run ``gm.forward`` unchanged: opfuse's kernels are inference-only.
+The backend never raises because of opfuse; it falls back and says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+log = logging.getLogger(__name__)
+
+#: Every graph compiled by the backend since the last :func:`reset` (for inspection and tests).
+COMPILED: list["CompiledGraph"] = []
+
+
+@dataclass
+class Fallback:
+    """One call signature that runs ``gm.forward`` unchanged, and why."""
+
+    signature: str
+    reason: str
+
+
+class _Bound(torch.nn.Module):
+    """Dynamo's graph with its parameter/buffer inputs bound as attributes, so that
+    ``torch.export`` sees them as ``get_attr`` (constants of the graph) and only the user
+    inputs stay placeholders."""
+
+    def __init__(self, gm: fx.GraphModule, static: dict[int, torch.Tensor], n_inputs: int):
+        super().__init__()
+        self.gm = gm
+        self._positions = sorted(static)
+        self._n = n_inputs
+        for i, t in static.items():
+            if isinstance(t, torch.nn.Parameter):
+                self.register_parameter(f"in{i}", t)
+            else:
+                self.register_buffer(f"in{i}", t)
+
+    def forward(self, *user):
+        full, it = [], iter(user)
+        for i in range(self._n):
+            full.append(getattr(self, f"in{i}") if i in self._positions else next(it))
+        return self.gm(*full)
+
+
+def _is_static(t) -> bool:
+    return isinstance(t, torch.nn.Parameter) or (isinstance(t, torch.Tensor)
+                                                 and hasattr(t, "_dynamo_static_input_type"))
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except Exception:  # inference tensors have no version counter
+        return -1
+
+
+def _training_dropout(gm: fx.GraphModule) -> str | None:
+    """The first dropout node traced with ``training=True`` (model in training mode)."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and "dropout" in getattr(n.target, "__name__", str(n.target)):
+            flags = list(n.args[2:3]) + [v for k, v in n.kwargs.items() if k in ("training", "train")]
+            if any(f is True for f in flags):
+                return n.name
+    return None
+
+
+class CompiledGraph:
+    """The callable the backend returns for one dynamo graph.
+
+    Attributes:
+        gm: dynamo's graph module (the fallback).
+        plans: input key -> :class:`opfuse.FusedModule` (or ``None`` for a fallback key).
+        fallbacks: every key that fell back, with the reason.
+    """
+
+    def __init__(self, gm: fx.GraphModule, example_inputs, options: dict, max_plans: int = 8):
+        self.gm = gm
+        self.options = dict(options)
+        self.static = [i for i, t in enumerate(example_inputs) if _is_static(t)]
+        self.plans: OrderedDict = OrderedDict()
+        self.fallbacks: list[Fallback] = []
+        self.max_plans = max_plans
+        self.calls = {"fused": 0, "fallback": 0}
+        self.refusal = None
+        where = _training_dropout(gm)
+        if where is not None:
+            self.refusal = (f"graph traced in training mode (dropout {where} active); "
+                            f"opfuse fuses inference graphs only")
+
+    # -- what the user sees -----------------------------------------------------------
+    @property
+    def reports(self) -> list:
+        return [r for fused in self.plans.values() if fused is not None for r in fused.reports]
+
+    def __call__(self, *args):
+        reason = self.refusal or self._needs_autograd(args)
+        if reason is None:
+            key = self._key(args)
+            if key not in self.plans:
+                self.plans[key] = self._optimize(key, args)
+                if len(self.plans) > self.max_plans:
+                    self.plans.popitem(last=False)
+            fused = self.plans[key]
+            if fused is not None:
+                try:
+                    out = fused(*[a for i, a in enumerate(args) if i not in self.static])
+                    self.calls["fused"] += 1
+                    return out
+                except Exception as exc:  # a kernel that fails at run time: never lose the call
+                    self.plans[key] = None
+                    self._record(key, f"fused graph raised {type(exc).__name__}: {exc}")
+        elif not any(f.reason == reason for f in self.fallbacks):
+            self._record(None, reason)
+        self.calls["fallback"] += 1
+        return self.gm(*args)
+
+    # -- internals --------------------------------------------------------------------
+    @staticmethod
+    def _needs_autograd(args) -> str | None:
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return "grad mode is on and an input requires grad: opfuse kernels have no backward"
+        return None
+
+    def _key(self, args) -> tuple:
+        from .api import _signature
+        static = tuple((id(args[i]), _version(args[i])) for i in self.static)
+        return _signature(tuple(a for i, a in enumerate(args) if i not in self.static), {}), static
+
+    def _optimize(self, key, args):
+        from .api import optimize
+        static = {i: args[i] for i in self.static}
+        user = tuple(a for i, a in enumerate(args) if i not in self.static)
+        try:
+            bound = _Bound(self.gm, static, len(args)).eval()
+            return optimize(bound, user, name=self.options.get("name", "dynamo graph"),
+                            **{k: v for k, v in self.options.items() if k in ("theta", "device", "verify")})
+        except Exception as exc:
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            self._record(key, f"opfuse.optimize failed: {type(exc).__name__}: {first}")
+            return None
+
+    def _record(self, key, reason: str) -> None:
+        log.warning("opfuse backend: running the graph unfused: %s", reason)
+        self.fallbacks.append(Fallback(str(key[0]) if key else "*", reason))
+
+
+def opfuse_backend(gm: fx.GraphModule, example_inputs, **options) -> CompiledGraph:
+    """torch.compile backend: returns a callable that optimizes ``gm`` on its first real
+    call per input signature and falls back to ``gm.forward`` on any failure.
+
+    Options (``torch.compile(..., options={...})`` where supported, or
+    ``functools.partial(opfuse_backend, theta=...)``): ``theta``, ``device``, ``verify``, ``name``.
+    """
+    compiled = CompiledGraph(gm, example_inputs, options)
+    COMPILED.append(compiled)
+    return compiled
+
+
+def reset() -> None:
+    """Forget every compiled graph here and in dynamo (``torch._dynamo.reset()``)."""
+    COMPILED.clear()
+    torch._dynamo.reset()
