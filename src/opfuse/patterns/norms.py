@@ -14,6 +14,12 @@ layernorm_gelu (LN then GELU in one pass, the seed's example)::
 
     x -> layer_norm(γ, β, eps) -> gelu(erf | tanh) -> out   ==>  opfuse.layernorm_gelu(x, γ, β, eps, form)
 
+rmsnorm / add_rmsnorm (Zhang & Sennrich 2019; HF LlamaRMSNorm, statistics in float32)::
+
+    [x + r ->] s -> pow(2) -> mean(-1) -> + eps -> rsqrt -> s · _ -> γ · _ -> out
+                   (six element-wise/reduction kernels unfused)
+    ==>  opfuse.rmsnorm(x, γ, eps)   |   opfuse.add_rmsnorm(x, r, γ, eps) -> (out, s)
+
 Statistics are shifted two-pass in float32 (see ../shared/design/KERNELS.md).
 """
 
@@ -25,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import check_float, check_same_shape, check_vector, first_problem, shape
-from .engine import Pattern
+from .engine import IGNORE, Pattern
 
 _EPS = 1e-5  # any value: bound from the model ("eps")
 
@@ -40,6 +46,62 @@ def layernorm_gelu_erf(x, g, b):
 
 def layernorm_gelu_tanh(x, g, b):
     return F.gelu(F.layer_norm(x, (8,), g, b, _EPS), approximate="tanh")
+
+
+def rmsnorm(x, g):
+    return g * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _EPS))
+
+
+def rmsnorm_cast(x, g):  # half-precision models: statistics in float32, cast back before γ
+    xf = x.to(torch.float32)
+    return g * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + _EPS)).to(x.dtype)
+
+
+def add_rmsnorm(x, r, g):
+    s = x + r
+    return g * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + _EPS))
+
+
+def add_rmsnorm_cast(x, r, g):
+    s = x + r
+    sf = s.to(torch.float32)
+    return g * (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + _EPS)).to(s.dtype)
+
+
+def _rms_example(residual: bool, dtype=torch.float32):
+    xs = (torch.randn(2, 4, 8, dtype=dtype),) * (2 if residual else 1)
+    xs = tuple(x.clone() for x in xs)
+    return xs + (torch.randn(8, dtype=dtype),)
+
+
+def check_rmsnorm(match) -> str | None:
+    x = "x"
+    sx = shape(match.inputs[x])
+    for node in match.region:
+        if node.target is torch.ops.aten.mean.dim:
+            rank = len(shape(node.args[0]) or ())
+            if [d % rank for d in node.args[1]] != [rank - 1]:
+                return f"{node.name} reduces over dims {node.args[1]}, the kernel normalizes the last dim only"
+    eps = match.literals.get("eps")
+    if not isinstance(eps, (int, float)):
+        return f"eps {eps!r} is not a constant number"
+    problems = [check_vector(match, "g", sx[-1], optional=False), check_float(match, x)]
+    if "r" in match.inputs:
+        problems.insert(0, check_same_shape(match, "x", "r"))
+    return first_problem(*problems)
+
+
+def build_rmsnorm(graph, inputs, literals, params):
+    return [graph.call_function(torch.ops.opfuse.rmsnorm.default, (inputs["x"], inputs["g"], float(literals["eps"])))]
+
+
+def build_add_rmsnorm(graph, inputs, literals, params):
+    both = graph.call_function(torch.ops.opfuse.add_rmsnorm.default,
+                               (inputs["x"], inputs["r"], inputs["g"], float(literals["eps"])))
+    outs = [graph.call_function(operator.getitem, (both, 0))]
+    if params.get("emit"):
+        outs.append(graph.call_function(operator.getitem, (both, 1)))
+    return outs
 
 
 def _example(residual: bool):
@@ -85,6 +147,7 @@ def _build_layernorm_gelu(form: str):
 
 
 _LN = {"normalized_shape": "normalized_shape"}
+_RMS = {"other": "eps", "dim": IGNORE}
 
 PATTERNS = [
     Pattern("add_layernorm", "post_ln", add_layernorm, lambda: _example(True), build_add_layernorm,
@@ -92,4 +155,11 @@ PATTERNS = [
     *[Pattern("layernorm_gelu", form, fn, lambda: _example(False), _build_layernorm_gelu(approx),
               check_layernorm_gelu, literals=_LN)
       for form, fn, approx in [("erf", layernorm_gelu_erf, "none"), ("tanh", layernorm_gelu_tanh, "tanh")]],
+    Pattern("rmsnorm", "llama", rmsnorm, lambda: _rms_example(False), build_rmsnorm, check_rmsnorm, literals=_RMS),
+    *[Pattern("rmsnorm", f"llama_{str(dt)[6:]}", rmsnorm_cast, lambda dt=dt: _rms_example(False, dt), build_rmsnorm,
+              check_rmsnorm, literals=_RMS) for dt in (torch.float16, torch.bfloat16)],
+    Pattern("add_rmsnorm", "llama", add_rmsnorm, lambda: _rms_example(True), build_add_rmsnorm, check_rmsnorm,
+            literals=_RMS, emits=("add",)),
+    *[Pattern("add_rmsnorm", f"llama_{str(dt)[6:]}", add_rmsnorm_cast, lambda dt=dt: _rms_example(True, dt),
+              build_add_rmsnorm, check_rmsnorm, literals=_RMS, emits=("add",)) for dt in (torch.float16, torch.bfloat16)],
 ]

@@ -53,6 +53,8 @@ class FusionReport:
     ops_before: list[str] = field(default_factory=list)
     ops_after: list[str] = field(default_factory=list)
     version: str = ""
+    respelled: dict[str, int] = field(default_factory=dict)  # hand-written spellings -> ATen op
+    block_graph: dict = field(default_factory=dict)   # report.graph.graph_summary of one block
 
     @property
     def fused(self) -> list[RegionRecord]:
@@ -86,6 +88,7 @@ class FusionReport:
             "totals": self.totals,
             "timings_s": dict(self.timings_s),
             "ops_before": list(self.ops_before), "ops_after": list(self.ops_after),
+            "respelled": dict(self.respelled),
         }
 
     def to_json(self, path=None) -> str:
@@ -94,6 +97,12 @@ class FusionReport:
             with open(path, "w") as fh:
                 fh.write(text)
         return text
+
+    def to_html(self, path, device=None) -> str:
+        """Write a self-contained HTML page (block graph, region table, plots) to ``path``;
+        ``device`` is the DeviceProfile of the roofline (default: the report's device)."""
+        from .html import write_html
+        return write_html(self, path, device=device)
 
     def __str__(self) -> str:
         from .text import render_text
