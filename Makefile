@@ -15,6 +15,13 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[models,test]"
+	@# the HTML report draws graphs with Graphviz `dot`; its browser test uses Chromium (Debian packages)
+	@if ! command -v dot >/dev/null || ! command -v chromium >/dev/null; then \
+	  if command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz chromium) >/dev/null 2>&1 \
+	      || echo "warning: could not apt-get install graphviz chromium (the HTML report notes a missing dot)"; \
+	  else echo "note: no apt-get; install Graphviz (dot) and Chromium for the HTML report and its browser test"; fi; \
+	fi
 	$(PY) -c "import opfuse.kernels.ops as ops; ops.warm_up()"   # compile + cache the numba kernels once
 	touch $(STAMP)
 

@@ -62,6 +62,7 @@ def cmd_demo(ns, console: Console) -> int:
         cold = time.perf_counter() - t
     print_report(fused.report, console)
     console.print(f"optimize (cold): {cold:.2f} s")
+    _write_html(fused.report, ns.report, console)
     with torch.inference_mode():
         ref = model(*args).last_hidden_state
         out = fused(*args).last_hidden_state
@@ -83,16 +84,27 @@ def cmd_optimize(ns, console: Console, explain_only: bool = False) -> int:
     from opfuse.models import load
     from opfuse.report.text import print_report
 
-    loaded = load(ns.model, batch=ns.batch, seq=ns.seq, attn=ns.attn)
-    if explain_only:
-        report = opfuse.explain(loaded.model, loaded.args, theta=ns.theta, name=ns.model)
-    else:
-        report = opfuse.optimize(loaded.model, loaded.args, theta=ns.theta, name=ns.model).report
+    with console.status(f"loading {ns.model}"):
+        loaded = load(ns.model, batch=ns.batch, seq=ns.seq, attn=ns.attn)
+    with console.status("capture → match → cost" + ("" if explain_only else " → verify → rewrite")):
+        if explain_only:
+            report = opfuse.explain(loaded.model, loaded.args, theta=ns.theta, name=ns.model)
+        else:
+            report = opfuse.optimize(loaded.model, loaded.args, theta=ns.theta, name=ns.model).report
     print_report(report, console, limit=None if ns.all else 40)
     if ns.json:
         report.to_json(ns.json)
         console.print(f"wrote {ns.json}")
+    _write_html(report, ns.report, console)
     return 0
+
+
+def _write_html(report, path: str | None, console: Console) -> None:
+    """``--report PATH``: the self-contained HTML page (graph, table, plots)."""
+    if path:
+        with console.status(f"writing {path} (graphviz + plotly)"):
+            report.to_html(path)
+        console.print(f"wrote {path}")
 
 
 def cmd_patterns(ns, console: Console) -> int:
@@ -115,6 +127,7 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch", type=int, default=8, help="number of sentences (≤ 8)")
     demo.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
     demo.add_argument("--repeat", type=int, default=30)
+    demo.add_argument("--report", metavar="PATH", help="also write the HTML report (graph, table, plots)")
     for name in ("optimize", "explain"):
         p = sub.add_parser(name, help=f"{name} MODEL and print the report")
         p.add_argument("model", help="minilm, bert-base, bert-tiny or a local Hugging Face directory")
@@ -123,6 +136,7 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--seq", type=int, default=128)
         p.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
         p.add_argument("--json", help="also write report.to_dict() to this file")
+        p.add_argument("--report", metavar="PATH", help="also write the HTML report (graph, table, plots)")
         p.add_argument("--all", action="store_true", help="list every region")
     sub.add_parser("patterns", help="list the pattern library")
     return ap

@@ -42,10 +42,7 @@ def _short_target(node: fx.Node) -> str:
 def _shape(node: fx.Node) -> list[int] | None:
     val = node.meta.get("val")
     shape = getattr(val, "shape", None)
-    try:
-        return [int(s) for s in shape] if shape is not None else None
-    except TypeError:  # symbolic sizes
-        return [str(s) for s in shape]
+    return None if shape is None else [s if isinstance(s, int) else str(s) for s in shape]  # str: symbolic
 
 
 def _module(node: fx.Node) -> str:
