@@ -37,6 +37,26 @@ def _check_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
                             f"got {type(args).__name__}")
 
 
+def _weights_version(model: torch.nn.Module) -> int:
+    """Sum of the version counters of every parameter and buffer (changes on in-place updates)."""
+    try:
+        return sum(t._version for t in (*model.parameters(), *model.buffers()))
+    except RuntimeError:  # inference-mode tensors have no version counter (and cannot change)
+        return -1
+
+
+def _share_folded(gm, others: list) -> None:
+    """Make ``gm`` reuse an equal folded constant (concatenated QKV weights) of an earlier
+    plan instead of keeping one copy per input signature."""
+    if gm is None:
+        return
+    seen = {n: t for o in others if o is not None for n, t in o.named_buffers() if n.startswith("opfuse_folded_")}
+    for name, t in list(gm.named_buffers()):
+        same = seen.get(name)
+        if same is not None and same.shape == t.shape and same.dtype == t.dtype and torch.equal(same, t):
+            gm.register_buffer(name, same)
+
+
 class FusedModule(torch.nn.Module):
     """A model rewritten by opfuse. Calling it runs the fused graph built for the call's
     input signature (shapes, dtypes, devices); a new signature is optimized on first use
@@ -60,10 +80,15 @@ class FusedModule(torch.nn.Module):
         return [p.report for p in self._plans.values()]
 
     def plan_for(self, args: tuple, kwargs: dict):
+        version = _weights_version(self._model[0])
+        if version != getattr(self, "_version", version):
+            self._plans.clear()  # weights changed in place: folded copies (QKV concat) are stale
+        self._version = version
         key = _signature(args, kwargs)
         plan = self._plans.get(key)
         if plan is None:
             plan = pipeline.run(self._model[0], args, kwargs, **self._options)
+            _share_folded(plan.gm, [p.gm for p in self._plans.values()])
             self._plans[key] = plan
             if len(self._plans) > self._max_plans:
                 self._plans.popitem(last=False)

@@ -35,6 +35,7 @@ from .common import check_float, first_problem, shape, val
 from .engine import IGNORE, Pattern
 
 _SCALE = 0.125  # any value: the row binds the model's own scale (literal policy "scale")
+_FILL = -1e30   # any value: bound ("fill") and checked to be a mask value (≤ -1e30)
 
 
 def _qkv_example(mask: bool = True):
@@ -60,6 +61,26 @@ def eager_qscaled(q, k, v):
 
 def eager_unscaled_mask(q, k, v, mask):
     return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-2, -1)) + mask, dim=-1), v)
+
+
+def eager_scaled_where(q, k, v, mask):
+    s = torch.matmul(q, k.transpose(-2, -1)) * _SCALE
+    return torch.matmul(torch.softmax(torch.where(mask, s, _FILL), dim=-1), v)
+
+
+def eager_qscaled_where(q, k, v, mask):
+    s = torch.matmul(q * _SCALE, k.transpose(-2, -1))
+    return torch.matmul(torch.softmax(torch.where(mask, s, _FILL), dim=-1), v)
+
+
+def eager_unscaled_where(q, k, v, mask):
+    s = torch.matmul(q, k.transpose(-2, -1))
+    return torch.matmul(torch.softmax(torch.where(mask, s, _FILL), dim=-1), v)
+
+
+def _bool_mask_example():
+    q, k, v = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8)
+    return q, k, v, torch.ones(4, 4, dtype=torch.bool).tril()
 
 
 def sdpa_mask(q, k, v, mask):
@@ -113,6 +134,11 @@ def check(match) -> str | None:
         mv = val(mask)
         if mv.dtype not in (torch.bool, val(match.inputs['q']).dtype, torch.float32):
             return f"mask {mask.name} dtype {mv.dtype} is neither bool nor the query dtype"
+        if not match.pattern.retarget and "fill" not in match.literals and not mv.dtype.is_floating_point:
+            # eager spellings ADD the mask: a bool mask adds 0/1, the kernel would drop positions
+            return f"mask {mask.name} is {mv.dtype} but added to the scores (+0/+1), not a keep/drop mask"
+        # eager softmax of a fully masked (-inf) row is NaN; the SDPA kernel returns 0 there
+        match.params["dead_rows_nan"] = not match.pattern.retarget
     if match.literals.get("dropout_p", 0.0) not in (0, 0.0):
         return f"dropout_p={match.literals['dropout_p']} (training mode) cannot be fused for inference"
     scale = match.literals.get("scale", 1.0)
@@ -121,6 +147,17 @@ def check(match) -> str | None:
     if not isinstance(scale, (int, float)):
         return f"scale {scale!r} is not a constant number"
     match.params["scale"] = float(scale)
+    if "fill" in match.literals:  # where(mask, scores, fill): a boolean keep-mask
+        fill = match.literals["fill"]
+        qdtype = val(match.inputs["q"]).dtype
+        if val(mask).dtype != torch.bool:
+            return f"where-mask {mask.name} is {val(mask).dtype}, expected bool"
+        if not isinstance(fill, (int, float)) or fill > -1e30:
+            return f"where fill value {fill!r} is not a mask value (≤ -1e30); it would change the result"
+        if qdtype != torch.float32:
+            return (f"where-masked attention in {qdtype}: a fully masked row would differ from eager "
+                    f"(fill {fill} is not representable); left unfused")
+        match.params["fill"] = float(fill)
     match.params["is_causal"] = bool(match.literals.get("is_causal", False))
     if match.literals.get("enable_gqa", False) is False and q[1] != k[1] and match.pattern.variant.startswith("sdpa") \
             and not match.pattern.variant.endswith("_gqa"):
@@ -130,13 +167,18 @@ def check(match) -> str | None:
 
 def build(graph, inputs, literals, params):
     op = torch.ops.opfuse.attention.default
-    return [graph.call_function(op, (inputs["q"], inputs["k"], inputs["v"], inputs.get("mask"),
-                                     params["scale"], params["is_causal"]))]
+    out = graph.call_function(op, (inputs["q"], inputs["k"], inputs["v"], inputs.get("mask"),
+                                   params["scale"], params["is_causal"]))
+    if params.get("dead_rows_nan"):  # keep eager's NaN for query rows whose mask is all -inf
+        aten = torch.ops.aten
+        dead = graph.call_function(aten.all.dim, (graph.call_function(aten.isneginf.default, (inputs["mask"],)), -1, True))
+        out = graph.call_function(aten.masked_fill.Scalar, (out, dead, float("nan")))
+    return [out]
 
 
 _SDPA_LITERALS = {"scale": "scale", "is_causal": "is_causal", "dropout_p": "dropout_p",
                   "enable_gqa": "enable_gqa"}
-_EAGER_LITERALS = {"other": "scale"}
+_EAGER_LITERALS = {"other": "scale", "where.other": "fill"}
 
 _ROWS = [
         ("eager_scaled_mask", eager_scaled_mask, True, _EAGER_LITERALS, False),
@@ -144,16 +186,19 @@ _ROWS = [
         ("eager_qscaled_mask", eager_qscaled_mask, True, _EAGER_LITERALS, False),
         ("eager_qscaled", eager_qscaled, False, _EAGER_LITERALS, False),
         ("eager_unscaled_mask", eager_unscaled_mask, True, _EAGER_LITERALS, False),
+        ("eager_scaled_where", eager_scaled_where, "bool", _EAGER_LITERALS, False),
+        ("eager_qscaled_where", eager_qscaled_where, "bool", _EAGER_LITERALS, False),
+        ("eager_unscaled_where", eager_unscaled_where, "bool", _EAGER_LITERALS, False),
         ("sdpa_mask", sdpa_mask, True, _SDPA_LITERALS, True),
         ("sdpa", sdpa, False, _SDPA_LITERALS, True),
 ]
 
 PATTERNS = [
-    Pattern("attention", variant, fn, lambda m=mask: _qkv_example(m), build, check,
-            literals=literals, retarget=retarget)
+    Pattern("attention", variant, fn, _bool_mask_example if mask == "bool" else (lambda m=mask: _qkv_example(m)),
+            build, check, literals=literals, retarget=retarget)
     for variant, fn, mask, literals, retarget in _ROWS
 ] + [  # grouped-query rows: K/V repeated by expand+reshape in the source, mapped by index in the kernel
-    Pattern("attention", variant + "_gqa", _gqa(fn, mask), lambda m=mask: _gqa_example(m), build, check,
+    Pattern("attention", variant + "_gqa", _gqa(fn, bool(mask)), lambda m=mask: _gqa_example(m), build, check,
             literals=literals, retarget=False)
-    for variant, fn, mask, literals, retarget in _ROWS
+    for variant, fn, mask, literals, retarget in _ROWS if mask != "bool"
 ]
