@@ -11,6 +11,10 @@ op and imports the CPU kernels (which register themselves).
     opfuse::linear_residual(Tensor x, Tensor weight, Tensor? bias, Tensor residual) -> Tensor
     opfuse::ffn(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2, str approximate, int block_rows) -> Tensor
     opfuse::attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal) -> Tensor
+    opfuse::rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor
+    opfuse::add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)
+    opfuse::swiglu(Tensor x, Tensor w_gate_up, int hidden) -> Tensor
+    opfuse::rope(Tensor x, Tensor cos, Tensor sin, str layout) -> Tensor
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch import Tensor
 from opfuse.kernels import cpu as _cpu  # noqa: F401  (registers the CPU kernels)
 from opfuse.kernels.registry import lookup
 
+
 SCHEMAS: dict[str, str] = {
     "add_layernorm": "(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> Tensor",
     "add_layernorm_sum": "(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> (Tensor, Tensor)",
@@ -29,6 +34,10 @@ SCHEMAS: dict[str, str] = {
     "linear_residual": "(Tensor x, Tensor weight, Tensor? bias, Tensor residual) -> Tensor",
     "ffn": "(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2, str approximate, int block_rows) -> Tensor",
     "attention": "(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal) -> Tensor",
+    "rmsnorm": "(Tensor x, Tensor weight, float eps) -> Tensor",
+    "add_rmsnorm": "(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+    "swiglu": "(Tensor x, Tensor w_gate_up, int hidden) -> Tensor",
+    "rope": "(Tensor x, Tensor cos, Tensor sin, str layout) -> Tensor",
 }
 
 
@@ -125,6 +134,57 @@ def _(q, k, v, mask, scale, is_causal):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
+# --- rmsnorm / add_rmsnorm (Llama) -----------------------------------------------------
+# out has dtype promote(x, weight) (HF LlamaRMSNorm multiplies the weight after casting);
+# add_rmsnorm returns (out, x + residual), the sum in x's dtype.
+
+
+@_op("rmsnorm")
+def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return lookup("rmsnorm", x.device.type)(x, weight, eps)
+
+
+@rmsnorm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype), memory_format=torch.contiguous_format)
+
+
+@_op("add_rmsnorm")
+def add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return lookup("add_rmsnorm", x.device.type)(x, residual, weight, eps)
+
+
+@add_rmsnorm.register_fake
+def _(x, residual, weight, eps):
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    like = dict(memory_format=torch.contiguous_format)
+    return torch.empty_like(x, dtype=out_dtype, **like), torch.empty_like(x, **like)
+
+
+# --- swiglu / rope (Llama) -------------------------------------------------------------
+
+
+@_op("swiglu")
+def swiglu(x: Tensor, w_gate_up: Tensor, hidden: int) -> Tensor:
+    return lookup("swiglu", x.device.type)(x, w_gate_up, hidden)
+
+
+@swiglu.register_fake
+def _(x, w_gate_up, hidden):
+    return x.new_empty((*x.shape[:-1], hidden))
+
+
+@_op("rope")
+def rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str) -> Tensor:
+    return lookup("rope", x.device.type)(x, cos, sin, layout)
+
+
+@rope.register_fake
+def _(x, cos, sin, layout):
+    dtype = torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
+    return x.new_empty(x.shape, dtype=dtype)
+
+
 # --- warm-up ---------------------------------------------------------------------------
 
 
@@ -145,3 +205,11 @@ def warm_up() -> None:
         lookup("ffn", "cpu")(x, r(16, 8), r(16), r(8, 16), r(8), approximate, 1)
     lookup("linear_residual", "cpu")(x, r(4, 8), r(4), r(2, 4))
     lookup("attention", "cpu")(r(1, 2, 3, 4), r(1, 1, 5, 4), r(1, 1, 5, 4), None, 0.5, False)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):  # one rounding path each
+        lookup("rmsnorm", "cpu")(x.to(dtype), w, 1e-6)
+        lookup("add_rmsnorm", "cpu")(x.to(dtype), res.to(dtype), w, 1e-6)
+    lookup("swiglu", "cpu")(x, r(8, 8), 4)
+    q = r(1, 3, 2, 8)  # [B, S, H, D]
+    for layout in ("rotate_half", "interleaved"):  # contiguous and transposed (strided) x
+        lookup("rope", "cpu")(q, r(1, 1, 2, 8), r(1, 1, 2, 8), layout)
+        lookup("rope", "cpu")(q.transpose(1, 2), r(1, 1, 3, 8), r(1, 1, 3, 8), layout)

@@ -92,3 +92,54 @@ def attention(q, k, v, mask, scale: float, is_causal: bool) -> torch.Tensor:
     dead = torch.isneginf(scores).all(dim=-1, keepdim=True)  # [B, H, Sq, 1]
     probs = torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
     return probs @ v
+
+
+# --- Llama family ----------------------------------------------------------------------
+
+
+def rms_norm(x, weight, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in float64: weight * x / sqrt(mean(x^2) + eps) (no mean subtracted)."""
+    x = _d(x)
+    return _d(weight) * (x * torch.rsqrt((x * x).mean(dim=-1, keepdim=True) + eps))
+
+
+def rmsnorm(x, weight, eps: float) -> torch.Tensor:
+    return rms_norm(x, weight, eps)
+
+
+def add_rmsnorm(x, residual, weight, eps: float):
+    """(rmsnorm(x + residual), x + residual), the order of the op's outputs."""
+    s = _d(x) + _d(residual)
+    return rms_norm(s, weight, eps), s
+
+
+def silu(x) -> torch.Tensor:
+    x = _d(x)
+    return x * torch.sigmoid(x)
+
+
+def swiglu(x, w_gate_up, hidden: int) -> torch.Tensor:
+    """silu(x @ W_gate^T) * (x @ W_up^T) with w_gate_up = [W_gate; W_up] (gate rows first)."""
+    h = linear(x, w_gate_up, None)
+    return silu(h[..., :hidden]) * h[..., hidden:]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """GPT-NeoX / HF Llama: (x1, x2) -> (-x2, x1) on the two halves of the last dim."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
+    """GPT-J: pairs (x[2i], x[2i+1]) -> (-x[2i+1], x[2i])."""
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def rope(x, cos, sin, layout: str) -> torch.Tensor:
+    """x * cos + R(x) * sin in float64, element j using cos[j], sin[j] (full-width tables);
+    R = rotate_half for "rotate_half", rotate_every_two for "interleaved"."""
+    x = _d(x)
+    rotations = {"rotate_half": rotate_half, "interleaved": rotate_every_two}
+    if layout not in rotations:
+        raise ValueError(f"layout must be one of {tuple(rotations)}, got {layout!r}")
+    return x * _d(cos) + rotations[layout](x) * _d(sin)

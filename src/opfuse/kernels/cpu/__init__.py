@@ -2,9 +2,13 @@
 
 from opfuse.kernels.cpu import (  # noqa: F401  (imported for their @register side effect)
     add_layernorm,
+    add_rmsnorm,
     attention,
     ffn,
     layernorm_gelu,
     linear_bias_gelu,
     linear_residual,
+    rmsnorm,
+    rope,
+    swiglu,
 )

@@ -1,4 +1,4 @@
-"""Shared numba helpers for the CPU kernels: float32 GELU math and LayerNorm row passes.
+"""Shared numba helpers for the CPU kernels: float32 GELU / exp / silu math and LayerNorm row passes.
 
 Everything here works on float32 scalars / float32 1-D rows and must stay float32:
 Python float literals are float64 in numba and would silently promote a loop, so every
@@ -20,12 +20,19 @@ tanh: 13/6-degree rational interpolant, x clamped to [-7.905, 7.905] (beyond tha
       rounds to +-1); a few ulp. Coefficients from Eigen ``generic_fast_tanh_float``
       (also ONNX Runtime MLAS ``tanh.cpp``). No exp, no libm call: both vectorise to
       vfmadd/vdivps on AVX2 without SVML.
+exp:  Cephes ``expf`` (x = n ln2 + r, |r| <= ln2/2, degree-5 polynomial, ln2 split in two
+      for an exact reduction), 2^n built in the exponent bits (``f32_from_bits``); x
+      clamped to [-87, 88] so 2^n stays normal; max relative error ~1e-7 (measured
+      8.3e-8 vs float64). Vectorises (8 lanes); ``math.exp`` is a scalar libm call, 4x
+      slower in the SwiGLU epilogue. silu(z) = z / (1 + exp(-z)) on top of it.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 _REDUCE = True
 _APPLY = {"nnan", "ninf", "nsz", "contract", "afn"}  # no reassoc; no arcp: vdivps beats rcp+Newton here
@@ -114,6 +121,82 @@ def gelu_erf_f32(x):
 def gelu_tanh_f32(x):
     """Tanh-form GELU (approximate="tanh"); a different function from gelu_erf_f32."""
     return _HALF * x * (_F1 + tanh_f32(_SQRT_2_OVER_PI * (x + _GELU_CUBIC * x * x * x)))
+
+
+# --- float32 bit casts, exp, silu ------------------------------------------------------
+
+
+@intrinsic
+def f32_bits(typingctx, x):
+    """The IEEE-754 bits of a float32 scalar as uint32 (an LLVM bitcast: free, vectorises)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def f32_from_bits(typingctx, u):
+    """The float32 whose bits are the low 32 bits of integer ``u`` (numba widens uint32
+    arithmetic to 64 bits; the truncation undoes that)."""
+    if not isinstance(u, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = args[0]
+        if v.type.width > 32:
+            v = builder.trunc(v, ir.IntType(32))
+        elif v.type.width < 32:
+            v = builder.zext(v, ir.IntType(32))
+        return builder.bitcast(v, ir.FloatType())
+
+    return types.float32(u), codegen
+
+
+# exp(x) = 2^n * e^r, n = round(x log2 e), r = x - n ln2  (Cephes expf)
+_EXP_LO = np.float32(-87.0)
+_EXP_HI = np.float32(88.0)
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HI = np.float32(0.693359375)  # exact in 9 bits: n * _LN2_HI is exact for |n| <= 2^15
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_P0 = np.float32(1.9875691500e-4)
+_EXP_P1 = np.float32(1.3981999507e-3)
+_EXP_P2 = np.float32(8.3334519073e-3)
+_EXP_P3 = np.float32(4.1665795894e-2)
+_EXP_P4 = np.float32(1.6666665459e-1)
+_EXP_P5 = np.float32(5.0000001201e-1)
+_EXP_BIAS = np.int32(127)
+_MANT_BITS = np.uint32(23)
+
+
+@njit(fastmath=_APPLY, **_JIT)
+def exp_f32(x):
+    """e^x for a float32 scalar, relative error ~1e-7; x clamped to [-87, 88]."""
+    x = min(max(x, _EXP_LO), _EXP_HI)
+    n = np.floor(x * _LOG2E + _HALF)
+    r = x - n * _LN2_HI - n * _LN2_LO
+    p = _EXP_P0 * r + _EXP_P1
+    p = p * r + _EXP_P2
+    p = p * r + _EXP_P3
+    p = p * r + _EXP_P4
+    p = p * r + _EXP_P5
+    y = p * (r * r) + r + _F1
+    return y * f32_from_bits(np.uint32(np.int32(n) + _EXP_BIAS) << _MANT_BITS)  # y * 2^n
+
+
+@njit(fastmath=_APPLY, **_JIT)
+def silu_f32(z):
+    """silu(z) = z * sigmoid(z) = z / (1 + e^-z); -> z for large z, -> -0 for very negative z."""
+    return z / (_F1 + exp_f32(-z))
+
+
+@njit(fastmath=_APPLY, **_JIT)
+def row_silu_mul(g, u, y):  # g, u: [H] f32 gate / up in; y: [H] f32 out; read 2H, write H
+    for j in range(y.shape[0]):
+        y[j] = silu_f32(g[j]) * u[j]
 
 
 # --- LayerNorm row passes --------------------------------------------------------------

@@ -1,0 +1,62 @@
+"""add_rmsnorm: s = x + residual (the next residual), out = rmsnorm(s), in one pass.
+
+    x ─┐
+       add ── round to x.dtype ── s ──┬──────────────────────────────► s
+    r ─┘                              └── rstd, s * rstd, round, * w ──► out
+
+As HF Llama's decoder layer (``residual + hidden_states`` in the model dtype, then
+``LlamaRMSNorm``): the sum is rounded to x's dtype before the statistics, so both outputs
+are what eager computes; out has dtype promote(x, weight), s has x's dtype. Returns
+(out, s), the order of add_layernorm_sum. Row passes and rounding from rmsnorm.py.
+
+Traffic (float32): read 2MN (+N), write 2MN. Eager: add (read 2MN, write MN) then RMSNorm
+(read ~5MN, write ~4MN).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from opfuse.kernels.cpu import _math
+from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32_rows, f32_vec, sync_threads
+from opfuse.kernels.cpu.rmsnorm import ROUND_CODE, check_rms_args, row_rms_apply, row_rms_rstd, row_round
+from opfuse.kernels.registry import register
+
+
+@njit(fastmath=_math._APPLY, error_model="numpy", cache=True)
+def _row_add(x, r, s):  # x, r: [N] f32 in; s: [N] f32 out; read 2N, write N
+    for j in range(s.shape[0]):
+        s[j] = x[j] + r[j]
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def _add_rmsnorm_kernel(x, r, w, eps, out, s, round_to):
+    # x, r: [M, N] f32; w: [N] f32; out, s: [M, N] f32; round_to: ROUND_* of x's dtype
+    for i in prange(x.shape[0]):
+        _row_add(x[i], r[i], s[i])  # read 2N, write N
+        row_round(s[i], round_to)  # s as eager stores it (L1)
+        rstd = row_rms_rstd(s[i], eps)  # read N (L1)
+        row_rms_apply(s[i], rstd, w, out[i], round_to)  # read 2N (L1), write N
+
+
+
+@register("add_rmsnorm", "cpu")
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual), x + residual); x, residual [..., N], weight [N]."""
+    op = "add_rmsnorm"
+    n = check_rms_args(op, x, weight)
+    check_tensor(op, "residual", residual)
+    check_same_dtype(op, x=x, residual=residual)
+    check_shape(op, "residual", residual, tuple(x.shape))
+
+    x2, r2 = f32_rows(x, n), f32_rows(residual, n)  # [M, N]
+    out = np.empty_like(x2)  # [M, N]
+    s = np.empty_like(x2)  # [M, N]
+    sync_threads()
+    _add_rmsnorm_kernel(x2, r2, f32_vec(weight, n), np.float32(eps), out, s, ROUND_CODE[x.dtype])
+    out_t = torch.from_numpy(out).view(x.shape).to(torch.promote_types(x.dtype, weight.dtype))
+    return out_t, torch.from_numpy(s).view(x.shape).to(x.dtype)
