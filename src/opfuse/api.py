@@ -37,12 +37,15 @@ def _check_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
                             f"got {type(args).__name__}")
 
 
-def _weights_version(model: torch.nn.Module) -> int:
-    """Sum of the version counters of every parameter and buffer (changes on in-place updates)."""
-    try:
-        return sum(t._version for t in (*model.parameters(), *model.buffers()))
-    except RuntimeError:  # inference-mode tensors have no version counter (and cannot change)
-        return -1
+def _weights_version(model: torch.nn.Module) -> tuple:
+    """Storage and version counter of every parameter and buffer: changes on in-place
+    updates, ``model.to(dtype)``, ``.data =`` and ``load_state_dict(assign=True)``."""
+    def one(t):
+        try:
+            return t.data_ptr(), t._version
+        except RuntimeError:  # inference-mode tensors have no version counter
+            return t.data_ptr(), -1
+    return tuple(one(t) for t in (*model.parameters(), *model.buffers()))
 
 
 def _share_folded(gm, others: list) -> None:

@@ -6,6 +6,7 @@ Errors (unknown model, missing directory, capture failure) print one line and ex
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -157,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_patterns(ns, console)
     except (ModelNotFound, OptimizeError, CaptureError, FileNotFoundError) as exc:
         print(f"opfuse: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # anything else (a broken config.json, ...): one line, no traceback
+        if os.environ.get("OPFUSE_DEBUG"):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"opfuse: error: {type(exc).__name__}: {first} (OPFUSE_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
 
 

@@ -92,6 +92,10 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, thet
         rewrite(gm, cands);                                         lap("rewrite")
     report = make_report(model, args, kwargs, theta, cands, near, whole, timings, name)
     report.verified = bool(verify)
+    if not report.regions and not report.near_misses:  # say why nothing fused, not just "none"
+        ops = sorted({str(n.target).replace("aten.", "").split(".")[0] for n in gm.graph.nodes if n.op == "call_function"})
+        report.near_misses.append({"pattern": "*", "variant": "", "node": "", "reason": "no pattern of the library "
+                                   f"matches any op sequence of this graph (ops: {', '.join(ops) or 'none'})"})
     report.respelled = respelled
     if verify and rewrite_graph:
         report.max_error = model_error(model, gm, args, kwargs);   lap("check model")
