@@ -59,6 +59,10 @@ def eager_qscaled(q, k, v):
     return torch.matmul(torch.softmax(torch.matmul(q * _SCALE, k.transpose(-2, -1)), dim=-1), v)
 
 
+def eager_unscaled(q, k, v):
+    return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-2, -1)), dim=-1), v)
+
+
 def eager_unscaled_mask(q, k, v, mask):
     return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-2, -1)) + mask, dim=-1), v)
 
@@ -186,6 +190,7 @@ _ROWS = [
         ("eager_qscaled_mask", eager_qscaled_mask, True, _EAGER_LITERALS, False),
         ("eager_qscaled", eager_qscaled, False, _EAGER_LITERALS, False),
         ("eager_unscaled_mask", eager_unscaled_mask, True, _EAGER_LITERALS, False),
+        ("eager_unscaled", eager_unscaled, False, _EAGER_LITERALS, False),
         ("eager_scaled_where", eager_scaled_where, "bool", _EAGER_LITERALS, False),
         ("eager_qscaled_where", eager_qscaled_where, "bool", _EAGER_LITERALS, False),
         ("eager_unscaled_where", eager_unscaled_where, "bool", _EAGER_LITERALS, False),
