@@ -6,6 +6,9 @@ Passes (each a small function, applied in order by :func:`canonicalize`):
   div_to_mul        x / c (c a Python number) -> x * (1/c)
   normalize_dims    negative dims -> positive (rank from FakeTensor meta); transpose(a,b) sorted
   softmax_dtype     softmax(x, dim, dtype) with dtype == x.dtype -> softmax(x, dim)
+  softmax_casts     cast(softmax(cast(x, f32)), x.dtype) and cast(softmax(x, dtype=f32), x.dtype)
+                    -> softmax(x) (ATen's CPU/CUDA softmax accumulates half inputs in float32;
+                    verification checks the result)
   addmm_to_linear   view(addmm(b, view(x, [-1, K]), W[K, N]), [..., N]) (GPT-2's Conv1D)
                     -> linear(x, Wᵀ, b) with Wᵀ a new contiguous parameter [N, K]
 
@@ -116,6 +119,43 @@ def softmax_dtype(graph: fx.Graph) -> int:
     return changed
 
 
+def _cast_dtype(node) -> torch.dtype | None:
+    """Target dtype of a cast node, None if ``node`` is not a cast."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in _CASTS):
+        return None
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def softmax_casts(graph: fx.Graph) -> int:
+    """Softmax computed in float32 on a half-precision input and cast back -> softmax."""
+    changed = 0
+    for node in list(graph.nodes):
+        out_dtype = _cast_dtype(node)
+        sm = node.args[0] if out_dtype is not None else None
+        if not (isinstance(sm, fx.Node) and sm.target is aten.softmax.int and len(sm.users) == 1):
+            continue
+        src = sm.args[0]
+        if _cast_dtype(src) == torch.float32 and isinstance(src.args[0], fx.Node) and len(src.users) == 1:
+            x = src.args[0]
+        elif len(sm.args) > 2 and sm.args[2] == torch.float32:
+            x = src
+        else:
+            continue
+        xval = x.meta.get("val")
+        if not isinstance(xval, torch.Tensor) or xval.dtype != out_dtype:
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(aten.softmax.int, (x, sm.args[1]))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        for dead in (node, sm, src):
+            if isinstance(dead, fx.Node) and not dead.users and dead is not x:
+                graph.erase_node(dead)
+        changed += 1
+    return changed
+
+
 def _shape(node) -> tuple | None:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
@@ -167,6 +207,7 @@ def canonicalize(gm_or_graph) -> fx.Graph:
     div_to_mul(graph)
     normalize_dims(graph)
     softmax_dtype(graph)
+    softmax_casts(graph)
     if isinstance(gm_or_graph, fx.GraphModule):
         addmm_to_linear(gm_or_graph)
     graph.lint()

@@ -97,7 +97,12 @@ class Pattern:
     def key(self) -> str:
         return f"{self.name}/{self.variant}"
 
-    def policy(self, argname: str) -> str:
+    def policy(self, argname: str, target=None) -> str:
+        """Policy for literal ``argname`` of op ``target``: a row key ``"<op>.<arg>"``
+        (e.g. ``"where.other"``) wins over a plain ``"<arg>"`` key, then the defaults."""
+        op = getattr(target, "_opname", None)
+        if op is not None and f"{op}.{argname}" in self.literals:
+            return self.literals[f"{op}.{argname}"]
         return self.literals.get(argname, DEFAULT_LITERALS.get(argname, REQUIRE))
 
 
@@ -195,7 +200,7 @@ class _Matcher:
         if isinstance(gv, fx.Node):
             raise _Fail(depth, at, f"argument '{argname}' is a computed tensor ({gv.name}), "
                                    f"pattern expects the constant {pv!r}")
-        policy = self.pattern.policy(argname)
+        policy = self.pattern.policy(argname, getattr(at, "target", None))
         if policy == IGNORE:
             return
         if policy == REQUIRE:
