@@ -135,6 +135,8 @@ def check(match) -> str | None:
         target = (q[0], q[1], q[2], k[2])
         if m is None or len(m) > 4 or any(a not in (1, b) for a, b in zip(m[::-1], target[::-1])):
             return f"mask {mask.name} has shape {m}, not broadcastable to {list(target)}"
+        if len(m) < 2:  # ATen SDPA (the CPU kernel) raises on a 1-D mask
+            return f"mask {mask.name} is 1-D {list(m)}; the kernel needs a mask of rank 2 to 4"
         mv = val(mask)
         if mv.dtype not in (torch.bool, val(match.inputs['q']).dtype, torch.float32):
             return f"mask {mask.name} dtype {mv.dtype} is neither bool nor the query dtype"
