@@ -26,6 +26,22 @@ from opfuse.kernels import cpu as _cpu  # noqa: F401  (registers the CPU kernels
 from opfuse.kernels.registry import lookup
 
 
+def _register_triton() -> str | None:
+    """Import the Triton kernels (they register for device "cuda") when CUDA is available and
+    triton imports; otherwise return why not. Never raises: importing ops must not fail."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        return f"triton is not importable ({type(e).__name__}: {e})"
+    from opfuse.kernels import triton as _triton  # noqa: F401  (registers the CUDA kernels)
+
+    return None
+
+
+TRITON_UNAVAILABLE: str | None = _register_triton()  # None when the Triton backend is registered
+
 SCHEMAS: dict[str, str] = {
     "add_layernorm": "(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> Tensor",
     "add_layernorm_sum": "(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> (Tensor, Tensor)",

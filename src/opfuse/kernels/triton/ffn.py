@@ -1,0 +1,54 @@
+"""ffn (Triton): out = gelu(x @ w1.T + b1) @ w2.T + b2 as two GEMM-epilogue launches.
+
+    x ── GEMM1 + b1 + gelu (epilogue) ── h [M, H] (x's dtype) ── GEMM2 + b2 (epilogue) ──► out
+
+The hidden activation is written once and read once (eager writes it after addmm, reads
+and writes it in gelu, then reads it again). ``block_rows`` is the CPU kernel's schedule
+knob; on the GPU the tiles already bound the working set, so it is accepted and ignored.
+Traffic: read MK + HK + NH (+H + N), write MH + MN, read MH (x e). FLOPs: 2MHK + 2MNH.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opfuse.kernels.registry import register
+from opfuse.kernels.triton._common import ACT_NONE, act_of, check_same, check_shape, check_tensor
+from opfuse.kernels.triton._gemm import gemm_epilogue
+
+
+@register("ffn", "cuda")
+def ffn(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    approximate: str,
+    block_rows: int,
+) -> torch.Tensor:
+    """Linear(K->H) -> GELU -> Linear(H->N); x [..., K], w1 [H, K], b1 [H], w2 [N, H], b2 [N]."""
+    op = "ffn"
+    for name, t in (("x", x), ("b1", b1), ("b2", b2)):
+        check_tensor(op, name, t)
+    check_tensor(op, "w1", w1, ndim_min=2)
+    check_tensor(op, "w2", w2, ndim_min=2)
+    act = act_of(op, approximate)
+    if int(block_rows) < 1:
+        raise ValueError(f"opfuse.{op}: block_rows must be >= 1, got {block_rows}")
+    k = x.shape[-1]
+    hidden = w1.shape[0]
+    n = w2.shape[0]
+    check_shape(op, "w1", w1, (hidden, k))
+    check_shape(op, "b1", b1, (hidden,))
+    check_shape(op, "w2", w2, (n, hidden))
+    check_shape(op, "b2", b2, (n,))
+    check_same(op, x=x, w1=w1, w2=w2)
+
+    x2 = x.reshape(-1, k)  # [M, K]
+    m = x2.shape[0]
+    h = torch.empty((m, hidden), dtype=x.dtype, device=x.device)  # [M, H]
+    gemm_epilogue(x2, w1, b1, None, act, h)  # read MK + HK, write MH
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)  # [M, N]
+    gemm_epilogue(h, w2, b2, None, ACT_NONE, out)  # read MH + NH, write MN
+    return out.view(*x.shape[:-1], n)

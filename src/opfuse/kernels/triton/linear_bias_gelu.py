@@ -1,0 +1,35 @@
+"""linear_bias_gelu (Triton): out = gelu(x @ weight.T + bias) as one GEMM with a fused epilogue.
+
+    x ── tl.dot tiles (fp32 acc) ── +bias ── gelu (erf | tanh) ──► out      (see _gemm.py)
+
+Traffic: read MK + NK (+N), write MN (x e); eager's addmm + gelu add read MN + write MN.
+FLOPs: 2MNK (+ ~20 MN epilogue).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opfuse.kernels.registry import register
+from opfuse.kernels.triton._common import act_of, check_same, check_shape, check_tensor
+from opfuse.kernels.triton._gemm import _gemm_epilogue_fwd_kernel, gemm_epilogue  # noqa: F401  (kernel: aot.py)
+
+
+@register("linear_bias_gelu", "cuda")
+def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
+    """gelu(x @ weight.T + bias); x [..., K], weight [N, K], bias [N] -> [..., N]."""
+    op = "linear_bias_gelu"
+    check_tensor(op, "x", x)
+    check_tensor(op, "weight", weight, ndim_min=2)
+    check_tensor(op, "bias", bias)
+    act = act_of(op, approximate)
+    k = x.shape[-1]
+    n = weight.shape[0]
+    check_shape(op, "weight", weight, (n, k))
+    check_shape(op, "bias", bias, (n,))
+    check_same(op, x=x, weight=weight)
+
+    x2 = x.reshape(-1, k)  # [M, K], any strides
+    out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)  # [M, N]
+    gemm_epilogue(x2, weight, bias, None, act, out)
+    return out.view(*x.shape[:-1], n)
