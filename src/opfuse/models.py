@@ -67,7 +67,7 @@ def build(name: str, attn: str = "eager") -> torch.nn.Module:
     """A model of family ``name`` (see :data:`MODEL_NAMES`) from its config, eval mode."""
     import transformers as T
     tiny = name.endswith("-tiny")
-    family = name.removesuffix("-tiny")
+    family = name.split("-")[0]
     common = {"attn_implementation": attn}
     if family == "bert":
         return T.BertModel(_bert_config(name, attn)).eval()
