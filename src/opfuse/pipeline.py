@@ -101,7 +101,15 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, thet
         report.max_error = model_error(model, gm, args, kwargs);   lap("check model")
     report.ops_before = before
     report.block_graph = summary
-    report.ops_after = op_sequence(gm.graph, block) if rewrite_graph else before
+    if rewrite_graph:
+        report.ops_after = op_sequence(gm.graph, block)
+    else:  # explain: the planned sequence
+        planned = {}
+        for c in cands:
+            if c.decision == "fused":
+                tag = (c.match.pattern.name,)
+                planned.update({n: tag for n in c.match.region})
+        report.ops_after = op_sequence(gm.graph, block, planned)
     return Plan(gm if rewrite_graph else None, report, cands)
 
 

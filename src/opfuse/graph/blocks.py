@@ -58,7 +58,20 @@ def op_name(node: fx.Node) -> str | None:
     return None
 
 
-def op_sequence(graph: fx.Graph, block: str | None) -> list[str]:
-    """Compute ops of ``block`` in graph order (linears split of QKV counted once each)."""
-    return [name for n in graph.nodes
-            if (block is None or block_of(n) == block) and (name := op_name(n)) is not None]
+def op_sequence(graph: fx.Graph, block: str | None, planned: dict | None = None) -> list[str]:
+    """Compute ops of ``block`` in graph order. ``planned`` maps nodes to the name of the
+    fused op that will replace them (``explain``): each planned region appears once, as
+    ``[name]``, where its first node was."""
+    out, seen = [], set()
+    for n in graph.nodes:
+        if block is not None and block_of(n) != block:
+            continue
+        if planned and n in planned:
+            if id(planned[n]) not in seen:
+                seen.add(id(planned[n]))
+                out.append(f"[{planned[n][0]}]")
+            continue
+        name = op_name(n)
+        if name is not None:
+            out.append(name)
+    return out
