@@ -175,3 +175,26 @@ def test_rope_layouts_each_get_their_own_kernel(layout):
     report = optimize_and_compare(Rope(layout), x, cos, sin, theta=0.0)
     assert report.counts() == {"rope": 1}
     assert [r.variant for r in report.fused] == [layout]
+
+
+@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, float("-inf")])
+def test_where_mask_fully_masked_row_matches_eager(fill):
+    """A row whose mask is all False: eager gives the mean of V (finfo.min fill) or NaN (-inf
+    fill); the fused attention must give the same, even when the example had no such row."""
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v, keep):
+            s = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+            return torch.matmul(torch.softmax(torch.where(keep, s, fill), -1), v)
+
+    q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
+    keep = torch.ones(8, 8, dtype=torch.bool).tril()
+    m = M().eval()
+    fused = opfuse.optimize(m, (q, k, v, keep))
+    assert fused.report.counts() == {"attention": 1}
+    dead = keep.clone()
+    dead[3] = False
+    with torch.no_grad():
+        ref, out = m(q, k, v, dead), fused(q, k, v, dead)
+    assert torch.equal(torch.isnan(ref), torch.isnan(out))
+    torch.testing.assert_close(torch.nan_to_num(out), torch.nan_to_num(ref), atol=1e-5, rtol=1e-5)

@@ -172,12 +172,18 @@ def check(match) -> str | None:
 
 
 def build(graph, inputs, literals, params):
+    aten = torch.ops.aten
     op = torch.ops.opfuse.attention.default
-    out = graph.call_function(op, (inputs["q"], inputs["k"], inputs["v"], inputs.get("mask"),
+    mask = inputs.get("mask")
+    if "fill" in params:
+        # where(keep, scores, fill) -> additive float32 mask 0 / fill over the (small, broadcast)
+        # mask shape: identical to eager, fully masked rows included (finfo.min: the mean of V;
+        # -inf: NaN, restored below), which a boolean SDPA mask would not give (it returns 0)
+        mask = graph.call_function(aten.where.Scalar, (mask, 0.0, params["fill"]))
+    out = graph.call_function(op, (inputs["q"], inputs["k"], inputs["v"], mask,
                                    params["scale"], params["is_causal"]))
     if params.get("dead_rows_nan"):  # keep eager's NaN for query rows whose mask is all -inf
-        aten = torch.ops.aten
-        dead = graph.call_function(aten.all.dim, (graph.call_function(aten.isneginf.default, (inputs["mask"],)), -1, True))
+        dead = graph.call_function(aten.all.dim, (graph.call_function(aten.isneginf.default, (mask,)), -1, True))
         out = graph.call_function(aten.masked_fill.Scalar, (out, dead, float("nan")))
     return [out]
 
