@@ -277,3 +277,16 @@ def test_other_shapes_reoptimize_not_wrong():
 def test_training_mode_refused():
     with pytest.raises(opfuse.OptimizeError, match="training mode"):
         opfuse.optimize(FFN().train(), (torch.randn(2, 4, 32),))
+
+
+def test_kernels_leave_torch_thread_count_alone():
+    """numba's OpenMP layer would reset torch's OpenMP thread count (shared libgomp)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        x = torch.randn(64, 32)
+        torch.ops.opfuse.add_layernorm(x, x, torch.ones(32), torch.zeros(32), 1e-5)
+        torch.ops.opfuse.layernorm_gelu(x, torch.ones(32), torch.zeros(32), 1e-5, "none")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

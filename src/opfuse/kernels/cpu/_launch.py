@@ -11,6 +11,14 @@ import numba
 import numpy as np
 import torch
 
+# numba's default "omp" threading layer shares libgomp with torch: launching a parallel
+# kernel resets the OpenMP thread count that torch.set_num_threads chose (measured: torch
+# went from 1 back to 2 threads after the first opfuse kernel, and a 1-thread isfinite on
+# [128, 768] from 0.42 ms to 3.8 ms on a loaded 2-core machine). numba's own "workqueue"
+# pool leaves torch's OpenMP state alone. Must be set before the first parallel launch.
+if numba.config.THREADING_LAYER == "default":
+    numba.config.THREADING_LAYER = "workqueue"
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
