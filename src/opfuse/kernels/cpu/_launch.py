@@ -63,6 +63,24 @@ def f32_vec(t: torch.Tensor | None, n: int) -> np.ndarray:
     return f32(t).numpy()
 
 
+PARALLEL_MIN_WORK = 1 << 16  # elements; below this a parallel launch costs more than it saves
+_SERIAL: dict = {}
+
+
+def launch(kernel, work: int):
+    """The ``prange`` kernel to run for ``work`` elements: its serial compilation (same
+    Python source, ``parallel=False``) when torch runs on one thread or the work is small
+    — a parallel launch costs ~50–70 µs here, more than a small row-wise kernel — else the
+    parallel one with numba's thread count synced to torch's."""
+    if torch.get_num_threads() == 1 or work < PARALLEL_MIN_WORK:
+        serial = _SERIAL.get(kernel)
+        if serial is None:
+            serial = _SERIAL[kernel] = numba.njit(error_model="numpy", cache=True)(kernel.py_func)
+        return serial
+    sync_threads()
+    return kernel
+
+
 def sync_threads() -> None:
     """Give numba's prange the same thread budget as torch (cheap; called per launch)."""
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))

@@ -16,7 +16,7 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.cpu import _math
-from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32_rows, f32_vec, sync_threads
+from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32_rows, f32_vec, launch
 from opfuse.kernels.registry import register
 
 
@@ -74,8 +74,7 @@ def add_layernorm(
     x2, r2 = f32_rows(x, n), f32_rows(residual, n)  # [M, N]
     out = np.empty_like(x2)  # [M, N]
     s = np.empty_like(x2) if emit_sum else out  # [M, N]; untouched unless emit_sum
-    sync_threads()
-    _add_layernorm_kernel(x2, r2, f32_vec(weight, n), f32_vec(bias, n), np.float32(eps), out, s, bool(emit_sum))
+    launch(_add_layernorm_kernel, x2.size)(x2, r2, f32_vec(weight, n), f32_vec(bias, n), np.float32(eps), out, s, bool(emit_sum))
 
     out_t = torch.from_numpy(out).view(x.shape).to(x.dtype)
     sum_t = torch.from_numpy(s).view(x.shape).to(x.dtype) if emit_sum else None

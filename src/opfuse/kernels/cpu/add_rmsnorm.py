@@ -20,7 +20,7 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.cpu import _math
-from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32_rows, f32_vec, sync_threads
+from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32_rows, f32_vec, launch
 from opfuse.kernels.cpu.rmsnorm import ROUND_CODE, check_rms_args, row_rms_apply, row_rms_rstd, row_round
 from opfuse.kernels.registry import register
 
@@ -56,7 +56,6 @@ def add_rmsnorm(
     x2, r2 = f32_rows(x, n), f32_rows(residual, n)  # [M, N]
     out = np.empty_like(x2)  # [M, N]
     s = np.empty_like(x2)  # [M, N]
-    sync_threads()
-    _add_rmsnorm_kernel(x2, r2, f32_vec(weight, n), np.float32(eps), out, s, ROUND_CODE[x.dtype])
+    launch(_add_rmsnorm_kernel, x2.size)(x2, r2, f32_vec(weight, n), np.float32(eps), out, s, ROUND_CODE[x.dtype])
     out_t = torch.from_numpy(out).view(x.shape).to(torch.promote_types(x.dtype, weight.dtype))
     return out_t, torch.from_numpy(s).view(x.shape).to(x.dtype)

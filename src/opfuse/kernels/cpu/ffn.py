@@ -16,7 +16,7 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.cpu import _gemm, _math
-from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32, f32_vec, sync_threads
+from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32, f32_vec, launch
 from opfuse.kernels.registry import register
 
 APPROXIMATE = ("none", "tanh")
@@ -68,12 +68,12 @@ def ffn(
     h_buf = torch.empty((rows, hidden), dtype=torch.float32)  # [block_rows, H], reused per block
     out = torch.empty((m, n), dtype=torch.float32)  # [M, N]
     use_tanh = approximate == "tanh"
-    sync_threads()
+    kernel = launch(_ffn_kernel, rows * hidden)
     for r0 in range(0, m, rows):
         r1 = min(r0 + rows, m)
         h = h_buf[: r1 - r0]  # [rows, H]
         _gemm.matmul(x2[r0:r1], w1f, h)  # read rows*K + HK, write rows*H
-        _ffn_kernel(h.numpy(), b1n, use_tanh)  # read rows*H, write rows*H (cache)
+        kernel(h.numpy(), b1n, use_tanh)  # read rows*H, write rows*H (cache)
         blk = out[r0:r1]  # [rows, N], C-contiguous slice
         blk.copy_(b2f.expand_as(blk))  # write rows*N: C = b2, the GEMM accumulates (beta = 1)
         _gemm.matmul_accumulate(h, w2f, blk)  # read rows*H + NH + rows*N, write rows*N

@@ -15,7 +15,7 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.cpu import _math
-from opfuse.kernels.cpu._launch import check_shape, check_tensor, f32_rows, f32_vec, sync_threads
+from opfuse.kernels.cpu._launch import check_shape, check_tensor, f32_rows, f32_vec, launch
 from opfuse.kernels.registry import register
 
 APPROXIMATE = ("none", "tanh")
@@ -57,6 +57,5 @@ def layernorm_gelu(
 
     x2 = f32_rows(x, n)  # [M, N]
     out = np.empty_like(x2)  # [M, N]
-    sync_threads()
-    _layernorm_gelu_kernel(x2, f32_vec(weight, n), f32_vec(bias, n), np.float32(eps), approximate == "tanh", out)
+    launch(_layernorm_gelu_kernel, x2.size)(x2, f32_vec(weight, n), f32_vec(bias, n), np.float32(eps), approximate == "tanh", out)
     return torch.from_numpy(out).view(x.shape).to(x.dtype)

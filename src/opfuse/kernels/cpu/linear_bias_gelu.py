@@ -13,7 +13,7 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.cpu import _gemm, _math
-from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32, f32_vec, sync_threads
+from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32, f32_vec, launch
 from opfuse.kernels.registry import register
 
 APPROXIMATE = ("none", "tanh")
@@ -44,6 +44,5 @@ def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
     x2 = f32(x).reshape(-1, k)  # [M, K]
     out = torch.empty((x2.shape[0], n), dtype=torch.float32)  # [M, N]
     _gemm.matmul(x2, f32(weight), out)  # BLAS: read MK + NK, write MN
-    sync_threads()
-    _linear_bias_gelu_kernel(out.numpy(), f32_vec(bias, n), approximate == "tanh")
+    launch(_linear_bias_gelu_kernel, out.numel())(out.numpy(), f32_vec(bias, n), approximate == "tanh")
     return out.view(*x.shape[:-1], n).to(x.dtype)

@@ -15,7 +15,7 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.cpu import _gemm, _math
-from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32, f32_rows, f32_vec, sync_threads
+from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32, f32_rows, f32_vec, launch
 from opfuse.kernels.registry import register
 
 
@@ -53,7 +53,6 @@ def linear_residual(
 
     x2 = f32(x).reshape(-1, k)  # [M, K]
     out = torch.empty((x2.shape[0], n), dtype=torch.float32)  # [M, N]
-    sync_threads()
-    _linear_residual_kernel(f32_rows(residual, n), f32_vec(bias, n), out.numpy())  # read MN, write MN
+    launch(_linear_residual_kernel, out.numel())(f32_rows(residual, n), f32_vec(bias, n), out.numpy())  # read MN, write MN
     _gemm.matmul_accumulate(x2, f32(weight), out)  # BLAS, beta=1: read MK + NK + MN, write MN
     return out.view(*x.shape[:-1], n).to(x.dtype)

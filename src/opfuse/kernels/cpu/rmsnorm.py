@@ -23,7 +23,7 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.cpu import _math
-from opfuse.kernels.cpu._launch import check_shape, check_tensor, f32_rows, f32_vec, sync_threads
+from opfuse.kernels.cpu._launch import check_shape, check_tensor, f32_rows, f32_vec, launch
 from opfuse.kernels.registry import register
 
 _JIT = dict(error_model="numpy", cache=True)
@@ -128,6 +128,5 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n = check_rms_args("rmsnorm", x, weight)
     x2 = f32_rows(x, n)  # [M, N]
     out = np.empty_like(x2)  # [M, N]
-    sync_threads()
-    _rmsnorm_kernel(x2, f32_vec(weight, n), np.float32(eps), out, ROUND_CODE[x.dtype])
+    launch(_rmsnorm_kernel, x2.size)(x2, f32_vec(weight, n), np.float32(eps), out, ROUND_CODE[x.dtype])
     return torch.from_numpy(out).view(x.shape).to(torch.promote_types(x.dtype, weight.dtype))

@@ -31,7 +31,7 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.cpu import _math
-from opfuse.kernels.cpu._launch import check_tensor, f32, sync_threads
+from opfuse.kernels.cpu._launch import check_tensor, f32, launch
 from opfuse.kernels.registry import register
 
 LAYOUTS = ("rotate_half", "interleaved")
@@ -103,6 +103,5 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> 
     if xf.stride(-1) != 1:
         xf = xf.contiguous()
     out = torch.empty(tuple(x.shape), dtype=torch.float32)  # [B, H, S, D]
-    sync_threads()
-    _rope_kernel(xf.numpy(), cos3.numpy(), sin3.numpy(), out.numpy(), layout == "interleaved")
+    launch(_rope_kernel, out.numel())(xf.numpy(), cos3.numpy(), sin3.numpy(), out.numpy(), layout == "interleaved")
     return out.to(torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype))

@@ -17,7 +17,7 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.cpu import _gemm, _math
-from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32, sync_threads
+from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32, launch
 from opfuse.kernels.registry import register
 
 
@@ -46,6 +46,5 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, hidden: int) -> torch.Tenso
     h = torch.empty((x2.shape[0], 2 * hidden), dtype=torch.float32)  # [M, 2H] = [g | u]
     _gemm.matmul(x2, f32(w_gate_up), h)  # BLAS: read MK + 2HK, write 2MH
     out = torch.empty((x2.shape[0], hidden), dtype=torch.float32)  # [M, H]
-    sync_threads()
-    _swiglu_kernel(h.numpy(), out.numpy())
+    launch(_swiglu_kernel, out.numel())(h.numpy(), out.numpy())
     return out.view(*x.shape[:-1], hidden).to(x.dtype)
