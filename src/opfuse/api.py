@@ -37,7 +37,17 @@ def _check_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
                             f"got {type(args).__name__}")
 
 
-def _weights_version(model: torch.nn.Module) -> tuple:
+def _weight_slots(model: torch.nn.Module) -> list[tuple[dict, str]]:
+    """(owner dict, name) of every parameter and buffer, so a check reads the current
+    tensor even after ``load_state_dict(assign=True)`` replaced it."""
+    slots = []
+    for mod in model.modules():
+        slots += [(mod._parameters, n) for n, p in mod._parameters.items() if p is not None]
+        slots += [(mod._buffers, n) for n, b in mod._buffers.items() if b is not None]
+    return slots
+
+
+def _weights_version(model: torch.nn.Module, slots: list | None = None) -> tuple:
     """Storage and version counter of every parameter and buffer: changes on in-place
     updates, ``model.to(dtype)``, ``.data =`` and ``load_state_dict(assign=True)``."""
     def one(t):
@@ -45,7 +55,9 @@ def _weights_version(model: torch.nn.Module) -> tuple:
             return t.data_ptr(), t._version
         except RuntimeError:  # inference-mode tensors have no version counter
             return t.data_ptr(), -1
-    return tuple(one(t) for t in (*model.parameters(), *model.buffers()))
+    if slots is None:
+        slots = _weight_slots(model)
+    return tuple(one(owner[name]) for owner, name in slots)
 
 
 def _share_folded(gm, others: list) -> None:
@@ -83,7 +95,9 @@ class FusedModule(torch.nn.Module):
         return [p.report for p in self._plans.values()]
 
     def plan_for(self, args: tuple, kwargs: dict):
-        version = _weights_version(self._model[0])
+        if getattr(self, "_slots", None) is None:
+            self._slots = _weight_slots(self._model[0])  # module structure is fixed after optimize
+        version = _weights_version(self._model[0], self._slots)
         if version != getattr(self, "_version", version):
             self._plans.clear()  # weights changed in place: folded copies (QKV concat) are stale
         self._version = version
