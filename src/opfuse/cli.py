@@ -1,4 +1,4 @@
-"""Command line: ``opfuse demo | optimize MODEL | explain MODEL | patterns``.
+"""Command line: ``opfuse demo | optimize MODEL | explain MODEL | bench MODEL | patterns``.
 
 Errors (unknown model, missing directory, capture failure) print one line and exit 2.
 """
@@ -108,15 +108,50 @@ def _write_html(report, path: str | None, console: Console) -> None:
         console.print(f"wrote {path}")
 
 
+def _spelling(fn) -> str:
+    """The torch code a pattern row matches: its function body without the ``def`` line."""
+    import inspect
+    try:
+        lines = inspect.getsource(fn).splitlines()[1:]
+    except (OSError, TypeError):
+        return fn.__name__
+    body = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith(('"""', "#"))]
+    text = "; ".join(body).replace("return ", "")
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
 def cmd_patterns(ns, console: Console) -> int:
     from opfuse.patterns import LIBRARY
     table = Table(title="Pattern library")
     for col in ("pattern", "variant", "source spelling"):
         table.add_column(col)
     for p in LIBRARY:
-        doc = (p.fn.__doc__ or p.fn.__name__).strip().splitlines()[0]
-        table.add_row(p.name, p.variant + (" (retarget)" if p.retarget else ""), doc)
+        table.add_row(p.name, p.variant + (" (retarget)" if p.retarget else ""), _spelling(p.fn))
     console.print(table)
+    return 0
+
+
+def cmd_bench(ns, console: Console) -> int:
+    """``opfuse bench MODEL``: peers table (+ Amdahl, θ sweep); JSON/CSV with the machine."""
+    from opfuse.bench import models as bench
+    from opfuse.bench.results import write_csv, write_json
+    with console.status("benchmarking") as status:
+        result = bench.bench_model(ns.model, against=ns.against.split(","), threads=ns.threads, batch=ns.batch,
+                                   seq=ns.seq, attn=ns.attn, repeat=ns.repeat, theta=ns.theta,
+                                   with_amdahl=ns.amdahl, with_theta_sweep=ns.theta_sweep,
+                                   log=lambda s: status.update(s))
+    console.print(bench.peers_table(result))
+    if "amdahl" in result:
+        from opfuse.bench.amdahl import amdahl_table
+        console.print(amdahl_table(result["amdahl"]))
+    if "theta_sweep" in result:
+        from opfuse.bench.theta import theta_table
+        console.print(theta_table(result["theta_sweep"]))
+    console.print("[dim]shared, noisy machine: medians of interleaved runs; compare ratios, not absolute ms[/]")
+    if ns.json:
+        write_json(result, ns.json)
+        write_csv(bench.csv_rows(result), str(ns.json).removesuffix(".json") + ".csv")
+        console.print(f"wrote {ns.json} (+ .csv)")
     return 0
 
 
@@ -139,6 +174,18 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--json", help="also write report.to_dict() to this file")
         p.add_argument("--report", metavar="PATH", help="also write the HTML report (graph, table, plots)")
         p.add_argument("--all", action="store_true", help="list every region")
+    b = sub.add_parser("bench", help="latency of opfuse vs eager, torch.compile and ONNX Runtime on MODEL")
+    b.add_argument("model", help="minilm, bert-base, gpt2, llama (or any name opfuse.models.load knows)")
+    b.add_argument("--against", default="eager,inductor,ort", help="comma list of eager, inductor, ort")
+    b.add_argument("--threads", type=int, default=1)
+    b.add_argument("--batch", type=int, default=None, help="default per model (minilm 8, others 1)")
+    b.add_argument("--seq", type=int, default=None, help="default per model (128 or 256)")
+    b.add_argument("--attn", default=None, choices=["eager", "sdpa"], help="default per model")
+    b.add_argument("--theta", type=float, default=0.3)
+    b.add_argument("--repeat", type=int, default=20)
+    b.add_argument("--amdahl", action="store_true", help="per-pattern p and S_fused -> predicted vs measured")
+    b.add_argument("--theta-sweep", action="store_true", help="regions, traffic, latency for θ = 0, 0.1 … 0.9")
+    b.add_argument("--json", help="write the result (with the machine description) here, and a .csv beside it")
     sub.add_parser("patterns", help="list the pattern library")
     return ap
 
@@ -155,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_demo(ns, console)
         if ns.cmd in ("optimize", "explain"):
             return cmd_optimize(ns, console, explain_only=ns.cmd == "explain")
+        if ns.cmd == "bench":
+            return cmd_bench(ns, console)
         return cmd_patterns(ns, console)
     except (ModelNotFound, OptimizeError, CaptureError, FileNotFoundError) as exc:
         print(f"opfuse: error: {exc}", file=sys.stderr)
