@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean bench
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,6 +32,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests/cpu
+
+# `make bench`: opfuse vs eager / torch.compile / ONNX Runtime on MiniLM 8x128 and BERT-base 1x128,
+# one thread, and the fused-kernel table; JSON + CSV with the machine under benchmarks/results/
+bench: $(STAMP)
+	$(PIP) install -q -e ".[models,test,bench]" torch==2.13.0
+	$(PY) benchmarks/bench_models.py --threads 1 --amdahl
+	$(PY) benchmarks/bench_kernels.py --threads 1
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

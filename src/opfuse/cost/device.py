@@ -1,6 +1,10 @@
 """Device profiles for the roofline: bandwidth (bytes/s), peak FLOP/s, cache size
 (bytes) and kernel-launch overhead (s).
 
+``profile_for("cpu")`` is the static profile below (deterministic) unless
+``OPFUSE_MEASURE_DEVICE=1``: then :func:`measured_cpu_profile` (copy bandwidth, in-cache
+bandwidth, GEMM FLOP/s measured once, cached under ``OPFUSE_CACHE_DIR``).
+
 CPU figures: cache sizes from ``/sys/devices/system/cpu``; bandwidth and peak are
 conservative defaults for one AVX2 core (2 FMA × 8 fp32 lanes × 2 × ~3 GHz ≈ 96 GFLOP/s;
 ~20 GB/s streaming per core). GPU data-sheet figures: NVIDIA H200 (4.8 TB/s HBM3e,
@@ -24,10 +28,15 @@ class DeviceProfile:
     peak_flops: float         # FLOP / s
     cache_bytes: int          # per-core (CPU L2) or per-SM-shared budget for resident intermediates
     launch_overhead: float    # seconds per kernel launch / op dispatch
+    cache_bandwidth: float = 0.0  # bytes / s for cache-resident data; 0: not modelled (all at `bandwidth`)
 
-    def time(self, flops: int, nbytes: int, kernels: int = 1) -> float:
-        """Roofline time (s): max(FLOPs / peak, bytes / bandwidth) + launches × overhead."""
-        return max(flops / self.peak_flops, nbytes / self.bandwidth) + kernels * self.launch_overhead
+    def time(self, flops: int, nbytes: int, kernels: int = 1, cached_bytes: int = 0) -> float:
+        """Roofline time (s): max(FLOPs / peak, bytes / bandwidth) + launches × overhead;
+        ``cached_bytes`` of ``nbytes`` (intermediates that fit in cache) move at
+        ``cache_bandwidth`` when the profile has one."""
+        cached = min(cached_bytes, nbytes) if self.cache_bandwidth > 0 else 0
+        memory = (nbytes - cached) / self.bandwidth + (cached / self.cache_bandwidth if cached else 0.0)
+        return max(flops / self.peak_flops, memory) + kernels * self.launch_overhead
 
 
 def _cpu_cache_bytes(level: int = 2, default: int = 512 * 1024) -> int:
@@ -49,6 +58,78 @@ def cpu_profile() -> DeviceProfile:
                          launch_overhead=5e-6)
 
 
+def _measure_cpu(seconds: float = 1.0) -> dict:
+    """Microbenchmark with the current torch threads (~1 s): main-memory copy bandwidth
+    (64 MiB ``copy_``, bytes read + written), in-cache copy bandwidth (a quarter of L2) and
+    float32 GEMM FLOP/s (1024³ ``mm`` with a preallocated output). Best of a few runs."""
+    import time
+
+    import torch
+
+    def best(fn, n: int) -> float:
+        fn()
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    big = torch.ones(16 * 1024 * 1024)                  # 64 MiB: far out of cache
+    big_out = torch.empty_like(big)
+    bandwidth = 2 * big.nbytes / best(lambda: big_out.copy_(big), 5)
+    l2 = _cpu_cache_bytes()
+    small = torch.ones(max(1024, l2 // 4 // 4))        # a quarter of L2 (in + out = half)
+    small_out = torch.empty_like(small)
+    reps = max(1, int(64 * 1024 * 1024 // small.nbytes))
+    def many():
+        for _ in range(reps):
+            small_out.copy_(small)
+    cache_bw = 2 * small.nbytes * reps / best(many, 3)
+    n = 1024
+    a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+    flops = 2 * n ** 3 / best(lambda: torch.mm(a, b, out=c), 3)
+    return {"bandwidth": bandwidth, "cache_bandwidth": cache_bw, "peak_flops": flops, "cache_bytes": l2,
+            "threads": torch.get_num_threads()}
+
+
+def cache_dir() -> Path:
+    """``OPFUSE_CACHE_DIR`` (default ``~/.cache/opfuse``)."""
+    return Path(os.environ.get("OPFUSE_CACHE_DIR") or Path.home() / ".cache" / "opfuse")
+
+
+def measured_cpu_profile(refresh: bool = False) -> DeviceProfile:
+    """CPU profile measured by :func:`_measure_cpu` on first use and cached on disk under
+    :func:`cache_dir` (one entry per CPU model and torch thread count)."""
+    import json
+
+    import torch
+    model = "cpu"
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    key = f"{model} | threads={torch.get_num_threads()}"
+    path = cache_dir() / "device_cpu.json"
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    m = None if refresh else table.get(key)
+    if m is None:
+        m = _measure_cpu()
+        table[key] = m
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(table, indent=2))
+        except OSError:
+            pass
+    return DeviceProfile("cpu (measured)", bandwidth=m["bandwidth"], peak_flops=m["peak_flops"],
+                         cache_bytes=int(m["cache_bytes"]), launch_overhead=5e-6,
+                         cache_bandwidth=m["cache_bandwidth"])
+
+
 KNOWN_GPUS = {
     "h200": DeviceProfile("NVIDIA H200", 4.8e12, 989e12, 228 * 1024, 4e-6),
     "h100": DeviceProfile("NVIDIA H100", 3.35e12, 989e12, 228 * 1024, 4e-6),
@@ -59,8 +140,8 @@ KNOWN_GPUS = {
 def profile_for(device) -> DeviceProfile:
     """Profile for a ``torch.device`` (or its type string); unknown GPUs get the H100 figures."""
     kind = getattr(device, "type", str(device or "cpu"))
-    if kind == "cpu":
-        return cpu_profile()
+    if kind == "cpu":  # static (deterministic) unless OPFUSE_MEASURE_DEVICE=1 asks for a measured one
+        return measured_cpu_profile() if os.environ.get("OPFUSE_MEASURE_DEVICE") == "1" else cpu_profile()
     try:
         import torch
         name = torch.cuda.get_device_name(device).lower()

@@ -50,9 +50,35 @@ class Candidate:
 
 def estimate(cand: Candidate, device: DeviceProfile, per_kernel: list[Cost]) -> None:
     """Fill the roofline times (s) of ``cand`` on ``device``: unfused, each kernel of
-    ``per_kernel`` is bound by its own roofline; fused, one kernel."""
-    cand.time_unfused = sum(device.time(c.flops, c.bytes, 1) for c in per_kernel)
+    ``per_kernel`` is bound by its own roofline; fused, one kernel. When the profile models
+    cache bandwidth, the unfused kernels' reads and writes of region-internal intermediates
+    that fit in cache (``device.cache_bytes``) are charged at cache bandwidth."""
+    cached = _cached_intermediate_bytes(cand, device, len(per_kernel))
+    cand.time_unfused = sum(device.time(c.flops, c.bytes, 1, cached_bytes=b) for c, b in zip(per_kernel, cached))
     cand.time_fused = device.time(cand.fused.flops, cand.fused.bytes, 1)
+
+
+def _cached_intermediate_bytes(cand: Candidate, device: DeviceProfile, count: int) -> list[int]:
+    """Per unfused (non-view) kernel of ``cand``: bytes of intermediates (produced and
+    consumed inside the region, each ≤ ``device.cache_bytes``) it reads or writes; all
+    zeros when the profile has no cache bandwidth or the kernels cannot be lined up."""
+    region = getattr(cand.match, "region", None)
+    if device.cache_bandwidth <= 0 or not region:
+        return [0] * count
+    from ..graph.meta import nbytes
+    from .model import is_view
+    nodes = [n for n in region if not is_view(n)]
+    if len(nodes) != count:
+        return [0] * count
+    inside = set(region)
+    outputs = set(cand.match.outputs) | set(getattr(cand.match, "emitted", ()))
+    fits = lambda n: 0 < nbytes(n.meta.get("val")) <= device.cache_bytes  # noqa: E731
+    out = []
+    for n in nodes:
+        read = sum(nbytes(i.meta.get("val")) for i in n.all_input_nodes if i in inside and fits(i))
+        written = nbytes(n.meta.get("val")) if n not in outputs and fits(n) else 0
+        out.append(read + written)
+    return out
 
 
 def select(cands: list[Candidate], theta: float) -> None:

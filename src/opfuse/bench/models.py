@@ -1,0 +1,123 @@
+"""``opfuse bench MODEL``: opfuse vs eager, inductor and ONNX Runtime on one model and
+input shape, one process, interleaved medians after warm-up.
+
+Per peer: cold optimize/compile/export time, median latency, speed-up vs eager
+(eager median / peer median), max |Δ| of the first output vs eager, or the reason it
+failed. Optional: the Amdahl table (``amdahl=True``) and the θ sweep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import machine
+from .peers import build_peers
+from .timing import interleaved
+
+# (batch, seq, attention implementation) per model when not given
+DEFAULT_SHAPES = {"minilm": (8, 128, "eager"), "bert-base": (1, 128, "sdpa"), "gpt2": (1, 256, "sdpa"),
+                  "llama": (1, 256, "sdpa")}
+
+
+def family_of(name: str) -> str:
+    return "minilm" if name == "minilm" else name.split("-")[0]
+
+
+def set_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+    try:
+        import numba
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    except Exception:  # noqa: BLE001  numba threading layer unavailable: kernels run as they are
+        pass
+
+
+def bench_model(name: str, against=("inductor", "ort"), threads: int = 1, batch: int | None = None,
+                seq: int | None = None, attn: str | None = None, repeat: int = 20, theta: float = 0.3,
+                with_amdahl: bool = False, with_theta_sweep: bool = False, measure_device: bool = True,
+                log=lambda s: None) -> dict:
+    """Run the comparison and return it as plain data (see module docstring)."""
+    from opfuse.models import load
+    b, s, a = DEFAULT_SHAPES.get(name, (1, 128, "eager"))
+    batch, seq, attn = batch or b, seq or s, attn or a
+    set_threads(threads)
+    result: dict = {"model": name, "batch": batch, "seq": seq, "attn": attn, "threads": threads, "theta": theta,
+                    "repeat": repeat, "machine": machine.describe()}
+    device = None
+    if measure_device:
+        from opfuse.cost.device import measured_cpu_profile
+        log("measuring the device profile (cached)")
+        device = measured_cpu_profile()
+        result["device_profile"] = dataclasses.asdict(device)
+    log(f"loading {name} {batch}x{seq} ({attn})")
+    loaded = load(name, batch=batch, seq=seq, attn=attn)
+    model, args = loaded.model, loaded.args
+    peers = build_peers(list(against), model, args, family_of(name), name, threads, theta, log=log)
+    ok = [p for p in peers if p.fn is not None]
+    ref = ok[0].fn()  # eager
+    for p in ok:
+        try:
+            out = p.fn()
+            p.detail["max_abs_diff"] = (out.float() - ref.float()).abs().max().item()
+        except Exception as exc:  # noqa: BLE001  a peer that builds but cannot run
+            p.error, p.fn = f"run failed: {type(exc).__name__}: {str(exc)[:200]}", None
+    ok = [p for p in peers if p.fn is not None]
+    log(f"timing {', '.join(p.name for p in ok)} ({repeat} interleaved rounds)")
+    times = interleaved({p.name: p.fn for p in ok}, repeat=repeat, warmup=3)
+    eager = times["eager"]["median_s"]
+    rows = []
+    for p in peers:
+        t = times.get(p.name)
+        rows.append({
+            "peer": p.name, "status": "ok" if p.fn else "failed", "error": p.error,
+            "cold_s": p.cold_s, "median_ms": 1e3 * t["median_s"] if t else None,
+            "iqr_ms": 1e3 * t["iqr_s"] if t else None, "n": t["n"] if t else 0,
+            "speedup_vs_eager": eager / t["median_s"] if t else None,
+            "max_abs_diff": p.detail.get("max_abs_diff"),
+            "notes": {k: v for k, v in p.detail.items() if k not in ("module", "max_abs_diff")},
+        })
+    result["peers"] = rows
+    fused = next((p.detail.get("module") for p in peers if p.name == "opfuse"), None)
+    if fused is not None:
+        result["fusion"] = fused.report.totals
+    if with_amdahl:
+        from .amdahl import amdahl
+        result["amdahl"] = amdahl(model, args, fused, theta=theta, repeat=max(5, repeat // 2), device=device, log=log)
+    if with_theta_sweep:
+        from .theta import theta_sweep
+        result["theta_sweep"] = theta_sweep(model, args, name, repeat=max(5, repeat // 2), log=log)
+    result["machine"]["loadavg_end"] = machine.load_average()
+    return result
+
+
+def peers_table(result: dict):
+    from rich.table import Table
+    m = result["machine"]
+    table = Table(title=(f"{result['model']} {result['batch']}x{result['seq']} ({result['attn']} attention), "
+                         f"{result['threads']} thread(s), median of {result['repeat']} interleaved runs — "
+                         f"{m['cpu']}, load {m['loadavg_start']} → {m.get('loadavg_end')}"))
+    for col in ("peer", "status", "cold s", "median ms", "IQR ms", "vs eager", "max |Δ| vs eager", "notes"):
+        table.add_column(col, justify="left" if col in ("peer", "status", "notes") else "right")
+    for r in result["peers"]:
+        if r["status"] != "ok":
+            table.add_row(r["peer"], "[red]failed[/]", "", "", "", "", "", r["error"] or "")
+            continue
+        notes = r["notes"]
+        note = " ".join(f"{k}:{v}" for k, v in notes.get("fused", {}).items()) if isinstance(notes.get("fused"), dict) else ""
+        if notes.get("export"):
+            note = f"{notes['export']} {note}".strip()
+        table.add_row(r["peer"], "ok", f"{r['cold_s']:.1f}", f"{r['median_ms']:.2f}", f"{r['iqr_ms']:.2f}",
+                      f"{r['speedup_vs_eager']:.2f}x", f"{r['max_abs_diff']:.1e}", note)
+    return table
+
+
+def csv_rows(result: dict) -> list[dict]:
+    head = {k: result[k] for k in ("model", "batch", "seq", "attn", "threads")}
+    head["cpu"] = result["machine"]["cpu"]
+    return [{**head, **{k: v for k, v in r.items() if k != "notes"}} for r in result["peers"]]
+
+
+def default_stem(result: dict) -> str:
+    return f"cpu_{result['model']}_{result['batch']}x{result['seq']}_{result['attn']}_t{result['threads']}"

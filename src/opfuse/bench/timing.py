@@ -1,0 +1,46 @@
+"""Median timing. ``interleaved`` runs every candidate once per round, round after round,
+so slow drifts of a shared machine (other jobs, frequency) hit all of them alike."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def median_s(fn: Callable[[], object], repeat: int = 20, warmup: int = 2) -> float:
+    """Median wall time (s) of ``fn()`` over ``repeat`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeat: int = 20, warmup: int = 2,
+                budget_s: float | None = None) -> dict[str, dict]:
+    """Time every ``fns[name]()`` ``repeat`` times in rounds (one call each per round).
+
+    Returns ``{name: {"median_s", "min_s", "iqr_s", "n"}}``. ``budget_s`` stops early (after
+    at least 3 rounds) when the rounds so far took longer than that.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    start = time.perf_counter()
+    for i in range(repeat):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t)
+        if budget_s is not None and i >= 2 and time.perf_counter() - start > budget_s:
+            break
+    out = {}
+    for name, xs in samples.items():
+        q = statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
+        out[name] = {"median_s": statistics.median(xs), "min_s": min(xs), "iqr_s": q[2] - q[0], "n": len(xs)}
+    return out

@@ -1,0 +1,119 @@
+"""opfuse.bench: structure of the results (no timing assertions — the machine is shared)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from opfuse.bench import kernels as bk
+from opfuse.bench import peers as bp
+from opfuse.bench.models import bench_model
+from opfuse.cost import device as dev
+
+FAKE = {"bandwidth": 10e9, "cache_bandwidth": 50e9, "peak_flops": 50e9, "cache_bytes": 512 * 1024, "threads": 1}
+
+
+@pytest.fixture
+def fake_measure(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(dev, "_measure_cpu", lambda seconds=1.0: calls.append(1) or dict(FAKE))
+    return calls
+
+
+def test_static_profile_unless_asked(monkeypatch, fake_measure):
+    monkeypatch.delenv("OPFUSE_MEASURE_DEVICE", raising=False)
+    assert dev.profile_for("cpu") == dev.cpu_profile()
+    assert dev.cpu_profile().cache_bandwidth == 0 and not fake_measure
+
+
+def test_measured_profile_is_cached_on_disk(monkeypatch, fake_measure, tmp_path):
+    monkeypatch.setenv("OPFUSE_MEASURE_DEVICE", "1")
+    p = dev.profile_for("cpu")
+    assert (p.bandwidth, p.peak_flops, p.cache_bandwidth) == (10e9, 50e9, 50e9)
+    assert (tmp_path / "device_cpu.json").exists()
+    assert dev.profile_for(torch.device("cpu")) == p
+    assert len(fake_measure) == 1  # second use read the cache
+
+
+def test_cache_resident_intermediates_lower_unfused_time():
+    import opfuse
+    from opfuse.models import load
+    loaded = load("bert-tiny", batch=1, seq=16)
+    base = dev.DeviceProfile("cpu", 10e9, 50e9, 512 * 1024, 5e-6)
+    cached = dev.DeviceProfile("cpu", 10e9, 50e9, 512 * 1024, 5e-6, cache_bandwidth=100e9)
+    a = opfuse.explain(loaded.model, loaded.args, device=base)
+    b = opfuse.explain(loaded.model, loaded.args, device=cached)
+    pairs = [(x, y) for x, y in zip(a.regions, b.regions) if x.pattern == "add_layernorm"]
+    assert pairs
+    for x, y in pairs:
+        assert y.time_unfused_s < x.time_unfused_s and y.time_fused_s == x.time_fused_s
+
+
+def test_bench_model_rows(fake_measure):
+    r = bench_model("bert-tiny", against=["ort", "nonsense"], batch=1, seq=16, repeat=2)
+    rows = {row["peer"]: row for row in r["peers"]}
+    assert {"eager", "opfuse", "ort", "ort-opt", "nonsense"} <= set(rows)
+    assert rows["nonsense"]["status"] == "failed" and "unknown peer" in rows["nonsense"]["error"]
+    assert rows["eager"]["speedup_vs_eager"] == pytest.approx(1.0)
+    for row in rows.values():
+        if row["status"] == "ok":
+            assert row["median_ms"] > 0 and row["cold_s"] is not None and row["max_abs_diff"] < 1e-3
+    assert r["fusion"]["fused_regions"] > 0
+    for key in ("cpu", "logical_cpus", "versions", "loadavg_start", "loadavg_end"):
+        assert key in r["machine"]
+    assert r["device_profile"]["cache_bandwidth"] == 50e9
+
+
+def test_failed_export_is_reported(monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("dynamo=False: TypeError: nope; dynamo=True: ValueError: nope")
+    monkeypatch.setattr(bp, "export_onnx", boom)
+    from opfuse.models import load
+    loaded = load("bert-tiny", batch=1, seq=16)
+    peers = bp.build_ort(loaded.model, loaded.args, "bert", 1)
+    assert [p.name for p in peers] == ["ort", "ort-opt"]
+    assert all(p.fn is None and p.error.startswith("export failed") for p in peers)
+
+
+def test_amdahl_and_theta_sweep_structure():
+    from opfuse.bench.amdahl import amdahl
+    from opfuse.bench.theta import theta_sweep
+    from opfuse.models import load
+    loaded = load("bert-tiny", batch=1, seq=16)
+    a = amdahl(loaded.model, loaded.args, repeat=2)
+    assert {r["pattern"] for r in a["patterns"]} >= {"attention", "add_layernorm"}
+    assert 0 < a["p_total"] <= 1 and all(r["s_fused"] > 0 for r in a["patterns"])
+    expect = 1 / ((1 - a["p_total"]) + sum(r["p"] / r["s_fused"] for r in a["patterns"]))
+    assert math.isclose(a["predicted"], expect)
+    assert 0 <= a["gemm_share"] <= 1 and a["measured"] > 0
+    rows = theta_sweep(loaded.model, loaded.args, "bert-tiny", thetas=(0.0, 0.5, 0.9), repeat=2)
+    counts = [r["fused_regions"] for r in rows]
+    assert counts == sorted(counts, reverse=True) and all(r["latency_ms"] > 0 for r in rows)
+
+
+def test_kernel_cases_match_their_eager_ops():
+    from opfuse.kernels import ops  # noqa: F401  registers torch.ops.opfuse
+    cases = bk.cases("tiny")
+    assert {c.kernel for c in cases} >= {"add_layernorm", "layernorm_gelu", "rmsnorm", "add_rmsnorm",
+                                         "linear_bias_gelu", "linear_residual", "ffn", "swiglu", "attention", "rope"}
+    with torch.inference_mode():
+        for c in cases:
+            f, e = c.fused(), c.eager()
+            f = f[0] if isinstance(f, tuple) else f
+            torch.testing.assert_close(f, e.clone(), rtol=1e-4, atol=1e-4, msg=f"{c.kernel} {c.shape}")
+            assert c.nbytes > 0
+
+
+def test_cli_bench_writes_json_and_csv(fake_measure, tmp_path, capsys):
+    from opfuse.cli import main
+    out = tmp_path / "r.json"
+    assert main(["bench", "bert-tiny", "--against", "eager", "--batch", "1", "--seq", "16", "--repeat", "2",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["peer"] for r in data["peers"]] == ["eager", "opfuse"]
+    assert (tmp_path / "r.csv").read_text().startswith("model,")
+    assert "vs eager" in capsys.readouterr().out
