@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -16,14 +15,8 @@ from rich.table import Table
 
 
 def _median_ms(fn, repeat: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+    from opfuse.bench.timing import median_s
+    return 1e3 * median_s(fn, repeat, warmup)
 
 
 def latency_table(model, fused, args, kwargs, repeat: int) -> tuple[Table, dict]:

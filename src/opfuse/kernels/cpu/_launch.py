@@ -1,4 +1,5 @@
-"""Launcher plumbing shared by the CPU kernels: validation, float32 staging, threads.
+"""Launcher plumbing shared by the CPU kernels: float32 staging, threads (argument checks:
+``opfuse.kernels.checks``).
 
 A launcher turns torch tensors into float32 C-contiguous numpy views (zero-copy when the
 input already is one, else exactly one conversion pass), so every numba kernel sees one
@@ -11,6 +12,8 @@ import numba
 import numpy as np
 import torch
 
+from opfuse.kernels import checks
+
 # numba's default "omp" threading layer shares libgomp with torch: launching a parallel
 # kernel resets the OpenMP thread count that torch.set_num_threads chose (measured: torch
 # went from 1 back to 2 threads after the first opfuse kernel, and a 1-thread isfinite on
@@ -19,31 +22,10 @@ import torch
 if numba.config.THREADING_LAYER == "default":
     numba.config.THREADING_LAYER = "workqueue"
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 def check_tensor(op: str, name: str, t: object, ndim_min: int = 1) -> torch.Tensor:
     """Raise ValueError unless ``t`` is a CPU tensor of a supported float dtype."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"opfuse.{op}: {name} must be a Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(f"opfuse.{op}: {name} is on device {t.device}, expected cpu")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"opfuse.{op}: {name} has unsupported dtype {t.dtype} (expected float32, float16 or bfloat16)")
-    if t.dim() < ndim_min:
-        raise ValueError(f"opfuse.{op}: {name} must have at least {ndim_min} dims, got shape {tuple(t.shape)}")
-    return t
-
-
-def check_shape(op: str, name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
-    if tuple(t.shape) != tuple(expected):
-        raise ValueError(f"opfuse.{op}: {name} shape {tuple(t.shape)} != expected {tuple(expected)}")
-
-
-def check_same_dtype(op: str, **tensors: torch.Tensor | None) -> None:
-    dtypes = {name: t.dtype for name, t in tensors.items() if t is not None}
-    if len(set(dtypes.values())) > 1:
-        raise ValueError(f"opfuse.{op}: dtype mismatch {dtypes}")
+    return checks.check_tensor(op, name, t, ndim_min, device_type="cpu")
 
 
 def f32(t: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.cpu import _math
-from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32_rows, f32_vec, launch
+from opfuse.kernels.checks import check_add_layernorm
+from opfuse.kernels.cpu._launch import f32_rows, f32_vec, launch
 from opfuse.kernels.registry import register
 
 
@@ -56,20 +57,7 @@ def add_layernorm(
     emit_sum: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """LayerNorm(x + residual) over the last dim; returns (out, x + residual or None)."""
-    op = "add_layernorm"
-    check_tensor(op, "x", x)
-    check_tensor(op, "residual", residual)
-    check_tensor(op, "weight", weight)
-    if bias is not None:
-        check_tensor(op, "bias", bias)
-    check_same_dtype(op, x=x, residual=residual)
-    check_shape(op, "residual", residual, tuple(x.shape))
-    n = x.shape[-1]
-    if n == 0:
-        raise ValueError(f"opfuse.{op}: normalised dim is empty (x shape {tuple(x.shape)})")
-    check_shape(op, "weight", weight, (n,))
-    if bias is not None:
-        check_shape(op, "bias", bias, (n,))
+    n = check_add_layernorm(x, residual, weight, bias, device_type="cpu")
 
     x2, r2 = f32_rows(x, n), f32_rows(residual, n)  # [M, N]
     out = np.empty_like(x2)  # [M, N]

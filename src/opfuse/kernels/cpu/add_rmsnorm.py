@@ -20,7 +20,8 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.cpu import _math
-from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32_rows, f32_vec, launch
+from opfuse.kernels.checks import check_same, check_shape
+from opfuse.kernels.cpu._launch import check_tensor, f32_rows, f32_vec, launch
 from opfuse.kernels.cpu.rmsnorm import ROUND_CODE, check_rms_args, row_rms_apply, row_rms_rstd, row_round
 from opfuse.kernels.registry import register
 
@@ -50,7 +51,7 @@ def add_rmsnorm(
     op = "add_rmsnorm"
     n = check_rms_args(op, x, weight)
     check_tensor(op, "residual", residual)
-    check_same_dtype(op, x=x, residual=residual)
+    check_same(op, x=x, residual=residual)
     check_shape(op, "residual", residual, tuple(x.shape))
 
     x2, r2 = f32_rows(x, n), f32_rows(residual, n)  # [M, N]

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from opfuse.kernels.cpu._launch import check_tensor, f32
+from opfuse.kernels.checks import check_attention, check_attention_mask
+from opfuse.kernels.cpu._launch import f32
 from opfuse.kernels.registry import register
 
 
@@ -37,34 +38,9 @@ def attention(
     is_causal: bool,
 ) -> torch.Tensor:
     """Scaled dot-product attention; q [B,H,Sq,D], k [B,Hkv,Sk,D], v [B,Hkv,Sk,Dv] -> [B,H,Sq,Dv]."""
-    op = "attention"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(op, name, t)
-        if t.dim() != 4:
-            raise ValueError(f"opfuse.{op}: {name} must be 4-D [B, H, S, D], got shape {tuple(t.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"opfuse.{op}: dtype mismatch q={q.dtype} k={k.dtype} v={v.dtype}")
-    b, h, sq, d = q.shape
-    _, hkv, sk, _ = k.shape
-    if k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"opfuse.{op}: k shape {tuple(k.shape)} incompatible with q shape {tuple(q.shape)}")
-    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
-        raise ValueError(f"opfuse.{op}: v shape {tuple(v.shape)} incompatible with k shape {tuple(k.shape)}")
-    if hkv == 0 or h % hkv != 0:
-        raise ValueError(f"opfuse.{op}: kv heads {hkv} must divide query heads {h}")
+    b, h, _, sq, sk, _, _ = check_attention(q, k, v, device_type="cpu")
     if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.device.type != "cpu":
-            raise ValueError(f"opfuse.{op}: mask must be a CPU tensor")
-        if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-            raise ValueError(f"opfuse.{op}: mask dtype {mask.dtype} must be bool or floating point")
-        try:
-            ok = mask.dim() <= 4 and torch.broadcast_shapes(tuple(mask.shape), (b, h, sq, sk)) == (b, h, sq, sk)
-        except RuntimeError:
-            ok = False
-        if not ok:
-            raise ValueError(f"opfuse.{op}: mask shape {tuple(mask.shape)} not broadcastable to {(b, h, sq, sk)}")
-        if is_causal:
-            raise ValueError(f"opfuse.{op}: mask and is_causal=True are mutually exclusive (as in SDPA)")
+        check_attention_mask(mask, q, (b, h, sq, sk), is_causal, device_type="cpu")
 
     maskf = None if mask is None else (mask.detach() if mask.dtype == torch.bool else f32(mask))
     out = _attention_kernel(f32(q), f32(k), f32(v), maskf, float(scale), bool(is_causal))  # [B, H, Sq, Dv]

@@ -16,11 +16,9 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.cpu import _gemm, _math
-from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32, f32_vec, launch
+from opfuse.kernels.checks import check_ffn
+from opfuse.kernels.cpu._launch import f32, f32_vec, launch
 from opfuse.kernels.registry import register
-
-APPROXIMATE = ("none", "tanh")
-
 
 @njit(parallel=True, error_model="numpy", cache=True)
 def _ffn_kernel(h, b1, use_tanh):
@@ -40,23 +38,7 @@ def ffn(
     block_rows: int,
 ) -> torch.Tensor:
     """Linear(K->H) -> GELU -> Linear(H->N); x [..., K], w1 [H, K], b1 [H], w2 [N, H], b2 [N]."""
-    op = "ffn"
-    for name, t in (("x", x), ("b1", b1), ("b2", b2)):
-        check_tensor(op, name, t)
-    check_tensor(op, "w1", w1, ndim_min=2)
-    check_tensor(op, "w2", w2, ndim_min=2)
-    if approximate not in ("none", "tanh"):
-        raise ValueError(f"opfuse.{op}: approximate must be one of {APPROXIMATE}, got {approximate!r}")
-    if int(block_rows) < 1:
-        raise ValueError(f"opfuse.{op}: block_rows must be >= 1, got {block_rows}")
-    k = x.shape[-1]
-    hidden = w1.shape[0]
-    n = w2.shape[0]
-    check_shape(op, "w1", w1, (hidden, k))
-    check_shape(op, "b1", b1, (hidden,))
-    check_shape(op, "w2", w2, (n, hidden))
-    check_shape(op, "b2", b2, (n,))
-    check_same_dtype(op, x=x, w1=w1, w2=w2)
+    k, hidden, n = check_ffn(x, w1, b1, w2, b2, approximate, block_rows, device_type="cpu")
 
     x2 = f32(x).reshape(-1, k)  # [M, K]
     m = x2.shape[0]

@@ -15,11 +15,9 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.cpu import _math
-from opfuse.kernels.cpu._launch import check_shape, check_tensor, f32_rows, f32_vec, launch
+from opfuse.kernels.checks import check_layernorm_gelu
+from opfuse.kernels.cpu._launch import f32_rows, f32_vec, launch
 from opfuse.kernels.registry import register
-
-APPROXIMATE = ("none", "tanh")
-
 
 @njit(parallel=True, error_model="numpy", cache=True)
 def _layernorm_gelu_kernel(x, w, b, eps, use_tanh, out):
@@ -41,19 +39,7 @@ def layernorm_gelu(
     approximate: str,
 ) -> torch.Tensor:
     """gelu(LayerNorm(x)) over the last dim; approximate in {"none", "tanh"}."""
-    op = "layernorm_gelu"
-    check_tensor(op, "x", x)
-    check_tensor(op, "weight", weight)
-    if bias is not None:
-        check_tensor(op, "bias", bias)
-    if approximate not in APPROXIMATE:
-        raise ValueError(f"opfuse.{op}: approximate must be one of {APPROXIMATE}, got {approximate!r}")
-    n = x.shape[-1]
-    if n == 0:
-        raise ValueError(f"opfuse.{op}: normalised dim is empty (x shape {tuple(x.shape)})")
-    check_shape(op, "weight", weight, (n,))
-    if bias is not None:
-        check_shape(op, "bias", bias, (n,))
+    n = check_layernorm_gelu(x, weight, bias, approximate, device_type="cpu")
 
     x2 = f32_rows(x, n)  # [M, N]
     out = np.empty_like(x2)  # [M, N]

@@ -13,11 +13,9 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.cpu import _gemm, _math
-from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32, f32_vec, launch
+from opfuse.kernels.checks import check_linear_bias_gelu
+from opfuse.kernels.cpu._launch import f32, f32_vec, launch
 from opfuse.kernels.registry import register
-
-APPROXIMATE = ("none", "tanh")
-
 
 @njit(parallel=True, error_model="numpy", cache=True)
 def _linear_bias_gelu_kernel(h, b, use_tanh):
@@ -29,17 +27,7 @@ def _linear_bias_gelu_kernel(h, b, use_tanh):
 @register("linear_bias_gelu", "cpu")
 def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
     """gelu(x @ weight.T + bias); x [..., K], weight [N, K], bias [N] -> [..., N]."""
-    op = "linear_bias_gelu"
-    check_tensor(op, "x", x)
-    check_tensor(op, "weight", weight, ndim_min=2)
-    check_tensor(op, "bias", bias)
-    if approximate not in APPROXIMATE:
-        raise ValueError(f"opfuse.{op}: approximate must be one of {APPROXIMATE}, got {approximate!r}")
-    k = x.shape[-1]
-    n = weight.shape[0]
-    check_shape(op, "weight", weight, (n, k))
-    check_shape(op, "bias", bias, (n,))
-    check_same_dtype(op, x=x, weight=weight)
+    k, n = check_linear_bias_gelu(x, weight, bias, approximate, device_type="cpu")
 
     x2 = f32(x).reshape(-1, k)  # [M, K]
     out = torch.empty((x2.shape[0], n), dtype=torch.float32)  # [M, N]

@@ -15,7 +15,8 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.cpu import _gemm, _math
-from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32, f32_rows, f32_vec, launch
+from opfuse.kernels.checks import check_linear_residual
+from opfuse.kernels.cpu._launch import f32, f32_rows, f32_vec, launch
 from opfuse.kernels.registry import register
 
 
@@ -37,19 +38,7 @@ def linear_residual(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
 ) -> torch.Tensor:
     """x @ weight.T + bias + residual; x [..., K], weight [N, K], bias [N] or None, residual [..., N]."""
-    op = "linear_residual"
-    check_tensor(op, "x", x)
-    check_tensor(op, "weight", weight, ndim_min=2)
-    check_tensor(op, "residual", residual)
-    if bias is not None:
-        check_tensor(op, "bias", bias)
-    k = x.shape[-1]
-    n = weight.shape[0]
-    check_shape(op, "weight", weight, (n, k))
-    if bias is not None:
-        check_shape(op, "bias", bias, (n,))
-    check_shape(op, "residual", residual, (*x.shape[:-1], n))
-    check_same_dtype(op, x=x, weight=weight, residual=residual)
+    k, n = check_linear_residual(x, weight, bias, residual, device_type="cpu")
 
     x2 = f32(x).reshape(-1, k)  # [M, K]
     out = torch.empty((x2.shape[0], n), dtype=torch.float32)  # [M, N]

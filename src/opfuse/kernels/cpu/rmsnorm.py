@@ -23,7 +23,8 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.cpu import _math
-from opfuse.kernels.cpu._launch import check_shape, check_tensor, f32_rows, f32_vec, launch
+from opfuse.kernels.checks import check_row_affine
+from opfuse.kernels.cpu._launch import check_tensor, f32_rows, f32_vec, launch
 from opfuse.kernels.registry import register
 
 _JIT = dict(error_model="numpy", cache=True)
@@ -115,11 +116,7 @@ def check_rms_args(op: str, x: torch.Tensor, weight: torch.Tensor) -> int:
     """Validate x [..., N] and weight [N]; return N."""
     check_tensor(op, "x", x)
     check_tensor(op, "weight", weight)
-    n = x.shape[-1]
-    if n == 0:
-        raise ValueError(f"opfuse.{op}: normalised dim is empty (x shape {tuple(x.shape)})")
-    check_shape(op, "weight", weight, (n,))
-    return n
+    return check_row_affine(op, x, weight, None)
 
 
 @register("rmsnorm", "cpu")

@@ -17,7 +17,8 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.cpu import _gemm, _math
-from opfuse.kernels.cpu._launch import check_same_dtype, check_shape, check_tensor, f32, launch
+from opfuse.kernels.checks import check_same, check_shape
+from opfuse.kernels.cpu._launch import check_tensor, f32, launch
 from opfuse.kernels.registry import register
 
 
@@ -40,7 +41,7 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, hidden: int) -> torch.Tenso
     hidden = int(hidden)
     k = x.shape[-1]
     check_shape(op, "w_gate_up", w_gate_up, (2 * hidden, k))
-    check_same_dtype(op, x=x, w_gate_up=w_gate_up)
+    check_same(op, x=x, w_gate_up=w_gate_up)
 
     x2 = f32(x).reshape(-1, k)  # [M, K]
     h = torch.empty((x2.shape[0], 2 * hidden), dtype=torch.float32)  # [M, 2H] = [g | u]

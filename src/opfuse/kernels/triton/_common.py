@@ -1,7 +1,8 @@
-"""Shared pieces of the Triton kernels: launcher validation, GELU math, config helpers.
+"""Shared pieces of the Triton kernels: accepted devices, GELU math, config helpers.
 
 Launchers accept CUDA tensors; under ``TRITON_INTERPRET=1`` (set before triton is
-imported) they also accept CPU tensors, so the CPU test tier runs the same kernel code
+imported) they also accept CPU tensors (``DEVICE_TYPE``, passed to the argument checks of
+``opfuse.kernels.checks``), so the CPU test tier runs the same kernel code
 in Triton's interpreter (see shared/design/KERNELS.md).
 
 Math rules (the interpreter has no libdevice, and both must agree):
@@ -20,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Device types the launchers accept; the first is the one an error names.
+DEVICE_TYPE: tuple[str, ...] = ("cuda", "cpu") if INTERPRET else ("cuda",)
 
 # Epilogue activations (constexpr ACT of the GEMM / norm kernels).
 ACT_NONE, ACT_GELU_ERF, ACT_GELU_TANH = 0, 1, 2
@@ -31,39 +33,9 @@ APPROXIMATE = {"none": ACT_GELU_ERF, "tanh": ACT_GELU_TANH}
 MAX_ROW_BLOCK = 32768
 
 
-def act_of(op: str, approximate: str) -> int:
-    try:
-        return APPROXIMATE[approximate]
-    except KeyError:
-        raise ValueError(f"opfuse.{op}: approximate must be one of {tuple(APPROXIMATE)}, got {approximate!r}") from None
-
-
-def check_tensor(op: str, name: str, t: object, ndim_min: int = 1) -> torch.Tensor:
-    """Raise ValueError unless ``t`` is a CUDA tensor (or CPU under the interpreter) of a
-    supported float dtype with at least ``ndim_min`` dims."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"opfuse.{op}: {name} must be a Tensor, got {type(t).__name__}")
-    if t.device.type != "cuda" and not (INTERPRET and t.device.type == "cpu"):
-        raise ValueError(f"opfuse.{op}: {name} is on device {t.device}, expected cuda")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"opfuse.{op}: {name} has unsupported dtype {t.dtype} (expected float32, float16 or bfloat16)")
-    if t.dim() < ndim_min:
-        raise ValueError(f"opfuse.{op}: {name} must have at least {ndim_min} dims, got shape {tuple(t.shape)}")
-    return t
-
-
-def check_shape(op: str, name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
-    if tuple(t.shape) != tuple(expected):
-        raise ValueError(f"opfuse.{op}: {name} shape {tuple(t.shape)} != expected {tuple(expected)}")
-
-
-def check_same(op: str, **tensors: torch.Tensor | None) -> None:
-    """Same dtype and same device for every non-None tensor."""
-    present = {n: t for n, t in tensors.items() if t is not None}
-    if len({t.dtype for t in present.values()}) > 1:
-        raise ValueError(f"opfuse.{op}: dtype mismatch { {n: t.dtype for n, t in present.items()} }")
-    if len({t.device for t in present.values()}) > 1:
-        raise ValueError(f"opfuse.{op}: device mismatch { {n: str(t.device) for n, t in present.items()} }")
+def act_of(approximate: str) -> int:
+    """ACT for an ``approximate`` already validated by the op's check."""
+    return APPROXIMATE[approximate]
 
 
 def row_block(op: str, n: int) -> int:

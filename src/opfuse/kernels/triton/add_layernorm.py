@@ -18,8 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from opfuse.kernels.checks import check_add_layernorm
 from opfuse.kernels.registry import register
-from opfuse.kernels.triton._common import check_same, check_shape, check_tensor, row_block, row_warps
+from opfuse.kernels.triton._common import DEVICE_TYPE, row_block, row_warps
 
 
 @triton.jit
@@ -79,20 +80,7 @@ def add_layernorm(
     emit_sum: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """LayerNorm(x + residual) over the last dim; returns (out, x + residual or None)."""
-    op = "add_layernorm"
-    check_tensor(op, "x", x)
-    check_tensor(op, "residual", residual)
-    check_tensor(op, "weight", weight)
-    if bias is not None:
-        check_tensor(op, "bias", bias)
-    check_same(op, x=x, residual=residual)
-    check_shape(op, "residual", residual, tuple(x.shape))
-    n = x.shape[-1]
-    if n == 0:
-        raise ValueError(f"opfuse.{op}: normalised dim is empty (x shape {tuple(x.shape)})")
-    check_shape(op, "weight", weight, (n,))
-    if bias is not None:
-        check_shape(op, "bias", bias, (n,))
+    n = check_add_layernorm(x, residual, weight, bias, device_type=DEVICE_TYPE)
 
     x2, r2 = _rows(x, n), _rows(residual, n)  # [M, N]
     m = x2.shape[0]

@@ -27,8 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from opfuse.kernels.checks import check_attention, check_attention_mask
 from opfuse.kernels.registry import register
-from opfuse.kernels.triton._common import INTERPRET, check_tensor, dot_f32, ieee_fp32
+from opfuse.kernels.triton._common import DEVICE_TYPE, INTERPRET, dot_f32, ieee_fp32
 
 MASK_NONE, MASK_ADD, MASK_KEEP = 0, 1, 2
 
@@ -170,23 +171,7 @@ def attention(
 ) -> torch.Tensor:
     """Scaled dot-product attention; q [B,H,Sq,D], k [B,Hkv,Sk,D], v [B,Hkv,Sk,Dv] -> [B,H,Sq,Dv]."""
     op = "attention"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(op, name, t)
-        if t.dim() != 4:
-            raise ValueError(f"opfuse.{op}: {name} must be 4-D [B, H, S, D], got shape {tuple(t.shape)}")
-        if t.device != q.device:
-            raise ValueError(f"opfuse.{op}: {name} is on {t.device}, q on {q.device}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"opfuse.{op}: dtype mismatch q={q.dtype} k={k.dtype} v={v.dtype}")
-    b, h, sq, d = q.shape
-    _, hkv, sk, _ = k.shape
-    dv = v.shape[3]
-    if k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"opfuse.{op}: k shape {tuple(k.shape)} incompatible with q shape {tuple(q.shape)}")
-    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
-        raise ValueError(f"opfuse.{op}: v shape {tuple(v.shape)} incompatible with k shape {tuple(k.shape)}")
-    if hkv == 0 or h % hkv != 0:
-        raise ValueError(f"opfuse.{op}: kv heads {hkv} must divide query heads {h}")
+    b, h, hkv, sq, sk, d, dv = check_attention(q, k, v, device_type=DEVICE_TYPE)
     if max(d, dv) > MAX_HEAD_DIM:
         raise ValueError(f"opfuse.{op}: head dim {max(d, dv)} > {MAX_HEAD_DIM} not supported")
     if b * h > 65535:
@@ -194,18 +179,7 @@ def attention(
     mask_kind = MASK_NONE
     mask4 = q  # placeholder pointer when there is no mask
     if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.device != q.device:
-            raise ValueError(f"opfuse.{op}: mask must be a tensor on {q.device}")
-        if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-            raise ValueError(f"opfuse.{op}: mask dtype {mask.dtype} must be bool or floating point")
-        try:
-            ok = mask.dim() <= 4 and torch.broadcast_shapes(tuple(mask.shape), (b, h, sq, sk)) == (b, h, sq, sk)
-        except RuntimeError:
-            ok = False
-        if not ok:
-            raise ValueError(f"opfuse.{op}: mask shape {tuple(mask.shape)} not broadcastable to {(b, h, sq, sk)}")
-        if is_causal:
-            raise ValueError(f"opfuse.{op}: mask and is_causal=True are mutually exclusive (as in SDPA)")
+        check_attention_mask(mask, q, (b, h, sq, sk), is_causal, device_type=DEVICE_TYPE)
         if mask.dtype == torch.bool:
             mask_kind, mask4 = MASK_KEEP, mask.view(torch.uint8).expand(b, h, sq, sk)
         else:

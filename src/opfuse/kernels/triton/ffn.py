@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from opfuse.kernels.checks import check_ffn
 from opfuse.kernels.registry import register
-from opfuse.kernels.triton._common import ACT_NONE, act_of, check_same, check_shape, check_tensor
+from opfuse.kernels.triton._common import ACT_NONE, DEVICE_TYPE, act_of
 from opfuse.kernels.triton._gemm import gemm_epilogue
 
 
@@ -28,22 +29,8 @@ def ffn(
     block_rows: int,
 ) -> torch.Tensor:
     """Linear(K->H) -> GELU -> Linear(H->N); x [..., K], w1 [H, K], b1 [H], w2 [N, H], b2 [N]."""
-    op = "ffn"
-    for name, t in (("x", x), ("b1", b1), ("b2", b2)):
-        check_tensor(op, name, t)
-    check_tensor(op, "w1", w1, ndim_min=2)
-    check_tensor(op, "w2", w2, ndim_min=2)
-    act = act_of(op, approximate)
-    if int(block_rows) < 1:
-        raise ValueError(f"opfuse.{op}: block_rows must be >= 1, got {block_rows}")
-    k = x.shape[-1]
-    hidden = w1.shape[0]
-    n = w2.shape[0]
-    check_shape(op, "w1", w1, (hidden, k))
-    check_shape(op, "b1", b1, (hidden,))
-    check_shape(op, "w2", w2, (n, hidden))
-    check_shape(op, "b2", b2, (n,))
-    check_same(op, x=x, w1=w1, w2=w2)
+    k, hidden, n = check_ffn(x, w1, b1, w2, b2, approximate, block_rows, device_type=DEVICE_TYPE)
+    act = act_of(approximate)
 
     x2 = x.reshape(-1, k)  # [M, K]
     m = x2.shape[0]

@@ -16,8 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from opfuse.kernels.checks import check_layernorm_gelu
 from opfuse.kernels.registry import register
-from opfuse.kernels.triton._common import act_of, check_shape, check_tensor, gelu, row_block, row_warps
+from opfuse.kernels.triton._common import DEVICE_TYPE, act_of, gelu, row_block, row_warps
 
 
 @triton.jit
@@ -63,18 +64,8 @@ def layernorm_gelu(
     approximate: str,
 ) -> torch.Tensor:
     """gelu(LayerNorm(x)) over the last dim; approximate in {"none", "tanh"}."""
-    op = "layernorm_gelu"
-    check_tensor(op, "x", x)
-    check_tensor(op, "weight", weight)
-    if bias is not None:
-        check_tensor(op, "bias", bias)
-    act = act_of(op, approximate)
-    n = x.shape[-1]
-    if n == 0:
-        raise ValueError(f"opfuse.{op}: normalised dim is empty (x shape {tuple(x.shape)})")
-    check_shape(op, "weight", weight, (n,))
-    if bias is not None:
-        check_shape(op, "bias", bias, (n,))
+    n = check_layernorm_gelu(x, weight, bias, approximate, device_type=DEVICE_TYPE)
+    act = act_of(approximate)
 
     x2 = x.reshape(-1, n)  # [M, N]
     if x2.stride(-1) != 1:

@@ -10,24 +10,17 @@ from __future__ import annotations
 
 import torch
 
+from opfuse.kernels.checks import check_linear_bias_gelu
 from opfuse.kernels.registry import register
-from opfuse.kernels.triton._common import act_of, check_same, check_shape, check_tensor
+from opfuse.kernels.triton._common import DEVICE_TYPE, act_of
 from opfuse.kernels.triton._gemm import _gemm_epilogue_fwd_kernel, gemm_epilogue  # noqa: F401  (kernel: aot.py)
 
 
 @register("linear_bias_gelu", "cuda")
 def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
     """gelu(x @ weight.T + bias); x [..., K], weight [N, K], bias [N] -> [..., N]."""
-    op = "linear_bias_gelu"
-    check_tensor(op, "x", x)
-    check_tensor(op, "weight", weight, ndim_min=2)
-    check_tensor(op, "bias", bias)
-    act = act_of(op, approximate)
-    k = x.shape[-1]
-    n = weight.shape[0]
-    check_shape(op, "weight", weight, (n, k))
-    check_shape(op, "bias", bias, (n,))
-    check_same(op, x=x, weight=weight)
+    k, n = check_linear_bias_gelu(x, weight, bias, approximate, device_type=DEVICE_TYPE)
+    act = act_of(approximate)
 
     x2 = x.reshape(-1, k)  # [M, K], any strides
     out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)  # [M, N]

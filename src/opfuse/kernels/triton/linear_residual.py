@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from opfuse.kernels.checks import check_linear_residual
 from opfuse.kernels.registry import register
-from opfuse.kernels.triton._common import ACT_NONE, check_same, check_shape, check_tensor
+from opfuse.kernels.triton._common import ACT_NONE, DEVICE_TYPE
 from opfuse.kernels.triton._gemm import gemm_epilogue
 
 
@@ -20,19 +21,7 @@ def linear_residual(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
 ) -> torch.Tensor:
     """x @ weight.T + bias + residual; x [..., K], weight [N, K], bias [N] or None, residual [..., N]."""
-    op = "linear_residual"
-    check_tensor(op, "x", x)
-    check_tensor(op, "weight", weight, ndim_min=2)
-    check_tensor(op, "residual", residual)
-    if bias is not None:
-        check_tensor(op, "bias", bias)
-    k = x.shape[-1]
-    n = weight.shape[0]
-    check_shape(op, "weight", weight, (n, k))
-    if bias is not None:
-        check_shape(op, "bias", bias, (n,))
-    check_shape(op, "residual", residual, (*x.shape[:-1], n))
-    check_same(op, x=x, weight=weight, residual=residual)
+    k, n = check_linear_residual(x, weight, bias, residual, device_type=DEVICE_TYPE)
 
     x2 = x.reshape(-1, k)  # [M, K]
     r2 = residual.reshape(-1, n)  # [M, N], any strides

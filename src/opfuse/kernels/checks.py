@@ -1,0 +1,253 @@
+"""Argument checks shared by the launchers of every backend.
+
+Each op's launcher (CPU in ``kernels/cpu``, Triton in ``kernels/triton``) validates its
+arguments with the one function here named after the op, so both backends raise the same
+``ValueError``, with the same text, for the same bad input:
+
+    launcher ── check_<op>(..., device_type=...) ── stage / launch the kernel
+                  tensors: Tensor, device, dtype, ndim
+                  shapes, dtype agreement, layout strings, optional bias
+
+Only the device differs. ``device_type`` is the device type a launcher accepts, or a tuple
+of them whose first is the one the error names: ``"cpu"`` for the numba kernels, ``"cuda"``
+for Triton (``("cuda", "cpu")`` under TRITON_INTERPRET=1). Limits of one backend (Triton's
+single-block rows, head dim, grid size) stay in its launcher.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DeviceType = str | tuple[str, ...]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+APPROXIMATE = ("none", "tanh")  # GELU forms: erf ("none") and tanh
+
+
+# --- generic checks ---------------------------------------------------------------------
+
+
+def check_tensor(op: str, name: str, t: object, ndim_min: int = 1, *, device_type: DeviceType) -> torch.Tensor:
+    """Raise ValueError unless ``t`` is a tensor on an accepted device type, of a supported
+    float dtype, with at least ``ndim_min`` dims."""
+    accepted = (device_type,) if isinstance(device_type, str) else device_type
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"opfuse.{op}: {name} must be a Tensor, got {type(t).__name__}")
+    if t.device.type not in accepted:
+        raise ValueError(f"opfuse.{op}: {name} is on device {t.device}, expected {accepted[0]}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"opfuse.{op}: {name} has unsupported dtype {t.dtype} (expected float32, float16 or bfloat16)")
+    if t.dim() < ndim_min:
+        raise ValueError(f"opfuse.{op}: {name} must have at least {ndim_min} dims, got shape {tuple(t.shape)}")
+    return t
+
+
+def check_shape(op: str, name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"opfuse.{op}: {name} shape {tuple(t.shape)} != expected {tuple(expected)}")
+
+
+def check_same(op: str, **tensors: torch.Tensor | None) -> None:
+    """Same dtype and same device for every non-None tensor."""
+    present = {n: t for n, t in tensors.items() if t is not None}
+    if len({t.dtype for t in present.values()}) > 1:
+        raise ValueError(f"opfuse.{op}: dtype mismatch { {n: t.dtype for n, t in present.items()} }")
+    if len({t.device for t in present.values()}) > 1:
+        raise ValueError(f"opfuse.{op}: device mismatch { {n: str(t.device) for n, t in present.items()} }")
+
+
+def check_approximate(op: str, approximate: str) -> None:
+    if approximate not in APPROXIMATE:
+        raise ValueError(f"opfuse.{op}: approximate must be one of {APPROXIMATE}, got {approximate!r}")
+
+
+def check_row_affine(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """A normalisation over x's last dim N with weight [N] and bias [N] or None; returns N."""
+    n = x.shape[-1]
+    if n == 0:
+        raise ValueError(f"opfuse.{op}: normalised dim is empty (x shape {tuple(x.shape)})")
+    check_shape(op, "weight", weight, (n,))
+    if bias is not None:
+        check_shape(op, "bias", bias, (n,))
+    return n
+
+
+def check_gemm_operands(op: str, x: object, weight: object, *, device_type: DeviceType) -> None:
+    """x [..., K] and weight [N, K] of a GEMM are tensors (weight at least 2-D)."""
+    check_tensor(op, "x", x, device_type=device_type)
+    check_tensor(op, "weight", weight, ndim_min=2, device_type=device_type)
+
+
+def check_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int]:
+    """x [..., K] @ weight.T with weight [N, K] and bias [N] or None; returns (K, N)."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    check_shape(op, "weight", weight, (n, k))
+    if bias is not None:
+        check_shape(op, "bias", bias, (n,))
+    return k, n
+
+
+# --- one check per op -------------------------------------------------------------------
+
+
+def check_add_layernorm(
+    x: torch.Tensor,  # [..., N]
+    residual: torch.Tensor,  # [..., N]
+    weight: torch.Tensor,  # [N]
+    bias: torch.Tensor | None,  # [N]
+    *,
+    device_type: DeviceType,
+) -> int:
+    """Returns N."""
+    op = "add_layernorm"
+    check_tensor(op, "x", x, device_type=device_type)
+    check_tensor(op, "residual", residual, device_type=device_type)
+    check_tensor(op, "weight", weight, device_type=device_type)
+    if bias is not None:
+        check_tensor(op, "bias", bias, device_type=device_type)
+    check_same(op, x=x, residual=residual)
+    check_shape(op, "residual", residual, tuple(x.shape))
+    return check_row_affine(op, x, weight, bias)
+
+
+def check_layernorm_gelu(
+    x: torch.Tensor,  # [..., N]
+    weight: torch.Tensor,  # [N]
+    bias: torch.Tensor | None,  # [N]
+    approximate: str,
+    *,
+    device_type: DeviceType,
+) -> int:
+    """Returns N."""
+    op = "layernorm_gelu"
+    check_tensor(op, "x", x, device_type=device_type)
+    check_tensor(op, "weight", weight, device_type=device_type)
+    if bias is not None:
+        check_tensor(op, "bias", bias, device_type=device_type)
+    check_approximate(op, approximate)
+    return check_row_affine(op, x, weight, bias)
+
+
+def check_linear_bias_gelu(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor,  # [N]
+    approximate: str,
+    *,
+    device_type: DeviceType,
+) -> tuple[int, int]:
+    """Returns (K, N)."""
+    op = "linear_bias_gelu"
+    check_gemm_operands(op, x, weight, device_type=device_type)
+    check_tensor(op, "bias", bias, device_type=device_type)
+    check_approximate(op, approximate)
+    k, n = check_linear(op, x, weight, bias)
+    check_same(op, x=x, weight=weight)
+    return k, n
+
+
+def check_linear_residual(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None,  # [N]
+    residual: torch.Tensor,  # [..., N]
+    *,
+    device_type: DeviceType,
+) -> tuple[int, int]:
+    """Returns (K, N)."""
+    op = "linear_residual"
+    check_gemm_operands(op, x, weight, device_type=device_type)
+    check_tensor(op, "residual", residual, device_type=device_type)
+    if bias is not None:
+        check_tensor(op, "bias", bias, device_type=device_type)
+    k, n = check_linear(op, x, weight, bias)
+    check_shape(op, "residual", residual, (*x.shape[:-1], n))
+    check_same(op, x=x, weight=weight, residual=residual)
+    return k, n
+
+
+def check_ffn(
+    x: torch.Tensor,  # [..., K]
+    w1: torch.Tensor,  # [H, K]
+    b1: torch.Tensor,  # [H]
+    w2: torch.Tensor,  # [N, H]
+    b2: torch.Tensor,  # [N]
+    approximate: str,
+    block_rows: int,
+    *,
+    device_type: DeviceType,
+) -> tuple[int, int, int]:
+    """Returns (K, H, N)."""
+    op = "ffn"
+    for name, t in (("x", x), ("b1", b1), ("b2", b2)):
+        check_tensor(op, name, t, device_type=device_type)
+    check_tensor(op, "w1", w1, ndim_min=2, device_type=device_type)
+    check_tensor(op, "w2", w2, ndim_min=2, device_type=device_type)
+    check_approximate(op, approximate)
+    if int(block_rows) < 1:
+        raise ValueError(f"opfuse.{op}: block_rows must be >= 1, got {block_rows}")
+    k = x.shape[-1]
+    hidden = w1.shape[0]
+    n = w2.shape[0]
+    check_shape(op, "w1", w1, (hidden, k))
+    check_shape(op, "b1", b1, (hidden,))
+    check_shape(op, "w2", w2, (n, hidden))
+    check_shape(op, "b2", b2, (n,))
+    check_same(op, x=x, w1=w1, w2=w2)
+    return k, hidden, n
+
+
+def check_attention(
+    q: torch.Tensor,  # [B, H, Sq, D]
+    k: torch.Tensor,  # [B, Hkv, Sk, D]
+    v: torch.Tensor,  # [B, Hkv, Sk, Dv]
+    *,
+    device_type: DeviceType,
+) -> tuple[int, int, int, int, int, int, int]:
+    """q, k, v of grouped-query attention (Hkv divides H); returns (B, H, Hkv, Sq, Sk, D, Dv).
+    The mask is checked by :func:`check_attention_mask`, after any backend limits."""
+    op = "attention"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(op, name, t, device_type=device_type)
+        if t.dim() != 4:
+            raise ValueError(f"opfuse.{op}: {name} must be 4-D [B, H, S, D], got shape {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"opfuse.{op}: {name} is on {t.device}, q on {q.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"opfuse.{op}: dtype mismatch q={q.dtype} k={k.dtype} v={v.dtype}")
+    b, h, sq, d = q.shape
+    _, hkv, sk, _ = k.shape
+    dv = v.shape[3]
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"opfuse.{op}: k shape {tuple(k.shape)} incompatible with q shape {tuple(q.shape)}")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise ValueError(f"opfuse.{op}: v shape {tuple(v.shape)} incompatible with k shape {tuple(k.shape)}")
+    if hkv == 0 or h % hkv != 0:
+        raise ValueError(f"opfuse.{op}: kv heads {hkv} must divide query heads {h}")
+    return b, h, hkv, sq, sk, d, dv
+
+
+def check_attention_mask(
+    mask: object,  # broadcastable to [B, H, Sq, Sk], bool (True = keep) or additive float
+    q: torch.Tensor,  # [B, H, Sq, D]
+    scores: tuple[int, int, int, int],  # (B, H, Sq, Sk)
+    is_causal: bool,
+    *,
+    device_type: DeviceType,
+) -> None:
+    """A mask on q's device; with ``device_type`` "cpu" the error says "a CPU tensor"."""
+    op = "attention"
+    if not isinstance(mask, torch.Tensor) or mask.device != q.device:
+        on_cpu = device_type == "cpu"
+        raise ValueError(f"opfuse.{op}: mask must be {'a CPU tensor' if on_cpu else f'a tensor on {q.device}'}")
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        raise ValueError(f"opfuse.{op}: mask dtype {mask.dtype} must be bool or floating point")
+    try:
+        ok = mask.dim() <= 4 and torch.broadcast_shapes(tuple(mask.shape), scores) == scores
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"opfuse.{op}: mask shape {tuple(mask.shape)} not broadcastable to {scores}")
+    if is_causal:
+        raise ValueError(f"opfuse.{op}: mask and is_causal=True are mutually exclusive (as in SDPA)")
