@@ -69,6 +69,8 @@ def test_bench_model_rows(fake_measure):
 
 
 def test_failed_export_is_reported(monkeypatch):
+    pytest.importorskip("onnxruntime", reason="the `bench` extra (onnxruntime) is not installed")
+
     def boom(*a, **k):
         raise RuntimeError("dynamo=False: TypeError: nope; dynamo=True: ValueError: nope")
     monkeypatch.setattr(bp, "export_onnx", boom)
