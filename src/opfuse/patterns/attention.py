@@ -119,6 +119,27 @@ def _gqa_example(mask: bool = True):
     return (q, k, v, torch.randn(2, 1, 4, 4)) if mask else (q, k, v)
 
 
+def _finite_mask(node) -> bool:
+    """True when ``node`` is ``where(cond, a, b)`` with ``a``/``b`` finite constants or
+    ``zeros``/``full`` of a finite value, so the mask can hold no -inf."""
+    def finite(a) -> bool:
+        if isinstance(a, (int, float)) and not isinstance(a, bool):
+            return math.isfinite(a)
+        if getattr(a, "op", None) == "call_function" and a.target is torch.ops.aten.zeros.default:
+            return True
+        if getattr(a, "op", None) == "call_function" and a.target is torch.ops.aten.full.default:
+            return finite(a.args[1])
+        return False
+    aten = torch.ops.aten
+    while getattr(node, "op", None) == "call_function" and node.target in (aten.expand.default, aten.slice.Tensor,
+                                                                         aten.unsqueeze.default, aten.view.default):
+        node = node.args[0]
+    if getattr(node, "op", None) != "call_function" or node.target not in (
+            aten.where.ScalarOther, aten.where.Scalar, aten.where.ScalarSelf, aten.where.self):
+        return False
+    return all(finite(a) for a in node.args[1:3])
+
+
 def check(match) -> str | None:
     """Legality on real shapes: rank-4 Q/K/V, matching head dims, grouped K/V heads
     dividing Q heads, a mask broadcastable to [B,H,Sq,Sk], the scale a real number."""
@@ -143,8 +164,9 @@ def check(match) -> str | None:
         if not match.pattern.retarget and "fill" not in match.literals and not mv.dtype.is_floating_point:
             # eager spellings ADD the mask: a bool mask adds 0/1, the kernel would drop positions
             return f"mask {mask.name} is {mv.dtype} but added to the scores (+0/+1), not a keep/drop mask"
-        # eager softmax of a fully masked (-inf) row is NaN; the SDPA kernel returns 0 there
-        match.params["dead_rows_nan"] = not match.pattern.retarget
+        # eager softmax of a fully masked (-inf) row is NaN; the SDPA kernel returns 0 there.
+        # Masks built by where(cond, 0, finite fill) (HF's finfo.min masks) never hold -inf.
+        match.params["dead_rows_nan"] = not match.pattern.retarget and not _finite_mask(mask)
     if match.literals.get("dropout_p", 0.0) not in (0, 0.0):
         return f"dropout_p={match.literals['dropout_p']} (training mode) cannot be fused for inference"
     scale = match.literals.get("scale", 1.0)
@@ -164,6 +186,7 @@ def check(match) -> str | None:
             return (f"where-masked attention in {qdtype}: a fully masked row would differ from eager "
                     f"(fill {fill} is not representable); left unfused")
         match.params["fill"] = float(fill)
+        match.params["dead_rows_nan"] = math.isinf(fill)
     match.params["is_causal"] = bool(match.literals.get("is_causal", False))
     if match.literals.get("enable_gqa", False) is False and q[1] != k[1] and match.pattern.variant.startswith("sdpa") \
             and not match.pattern.variant.endswith("_gqa"):

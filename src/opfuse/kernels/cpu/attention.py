@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from opfuse.kernels.checks import check_attention, check_attention_mask
-from opfuse.kernels.cpu._launch import f32
 from opfuse.kernels.registry import register
 
 
@@ -42,6 +41,11 @@ def attention(
     if mask is not None:
         check_attention_mask(mask, q, (b, h, sq, sk), is_causal, device_type="cpu")
 
-    maskf = None if mask is None else (mask.detach() if mask.dtype == torch.bool else f32(mask))
-    out = _attention_kernel(f32(q), f32(k), f32(v), maskf, float(scale), bool(is_causal))  # [B, H, Sq, Dv]
+    # float32 compute, but keep the strides: ATen SDPA reads strided Q/K/V (the usual
+    # [B,S,H,D]->[B,H,S,D] transposed views), so no contiguous copy is made here
+    def as_f32(t: torch.Tensor) -> torch.Tensor:
+        return t.detach() if t.dtype == torch.float32 else t.detach().float()
+
+    maskf = None if mask is None else (mask.detach() if mask.dtype == torch.bool else as_f32(mask))
+    out = _attention_kernel(as_f32(q), as_f32(k), as_f32(v), maskf, float(scale), bool(is_causal))  # [B, H, Sq, Dv]
     return out.to(q.dtype)
