@@ -327,7 +327,9 @@ def test_peak_memory_not_above_eager():
     libc.mallopt(M_MMAP_THRESHOLD, 65536)  # buffers >= 64 KiB via mmap: RSS follows every free
     torch.set_num_threads(1)
     try:
-        eager, ours = _peak_rss(lambda: model(ids, mask)), _peak_rss(lambda: fused(ids, mask))
+        # RSS is noisy (allocator state left by earlier tests): best of three, interleaved
+        runs = [(_peak_rss(lambda: model(ids, mask)), _peak_rss(lambda: fused(ids, mask))) for _ in range(3)]
+        eager, ours = min(r[0] for r in runs), min(r[1] for r in runs)
     finally:
         libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
         torch.set_num_threads(threads)
