@@ -26,9 +26,10 @@ from .verify import model_error, verify_regions
 
 @dataclass
 class Plan:
-    """The rewritten module (``None`` for ``explain``) and its report."""
+    """The captured module (rewritten; for ``explain`` canonicalised but not rewritten),
+    its report and the candidates."""
 
-    gm: fx.GraphModule | None
+    gm: fx.GraphModule
     report: FusionReport
     candidates: list[Candidate]
 
@@ -53,8 +54,6 @@ def cost(cands: list[Candidate], device: DeviceProfile) -> None:
         outs = list(c.match.outputs) + list(c.match.emitted)
         c.fused = c.match.pattern.fused_cost(c.match, device) if c.match.pattern.fused_cost \
             else fused_cost(region, outs)
-        if c.match.pattern.fused_cost:
-            c.fused = type(c.fused)(c.unfused.flops, c.fused.bytes_read, c.fused.bytes_written)
         if c.match.pattern.retarget:
             c.fused = c.unfused
         estimate(c, device, [node_cost(n) for n in region if not is_view(n)])
@@ -110,7 +109,7 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, thet
                 tag = (c.match.pattern.name,)
                 planned.update({n: tag for n in c.match.region})
         report.ops_after = op_sequence(gm.graph, block, planned)
-    return Plan(gm if rewrite_graph else None, report, cands)
+    return Plan(gm, report, cands)
 
 
 def _device_of(args, kwargs) -> torch.device:

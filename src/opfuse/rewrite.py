@@ -8,6 +8,8 @@ into new parameters, parameters left without users dropped, then ``graph.lint()`
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 from torch import fx
 
@@ -26,15 +28,14 @@ def _resolve(value, replaced: dict):
     return value
 
 
-def rewrite_region(gm: fx.GraphModule, cand, replaced: dict) -> list[fx.Node]:
-    """Replace one candidate region in ``gm``; returns the new output nodes.
+def rewrite_region(gm: fx.GraphModule, match, replaced: dict) -> list[fx.Node]:
+    """Replace one matched region in ``gm``; returns the new output nodes.
 
     Raises:
         RewriteError: when an external input is produced after a consumer of an
             emitted intermediate (no legal insertion point).
     """
     graph = gm.graph
-    match = cand.match
     order = {n: i for i, n in enumerate(graph.nodes)}
     inputs = {k: _resolve(v, replaced) for k, v in match.inputs.items()}
     region = set(match.nodes.values())
@@ -56,8 +57,6 @@ def rewrite_region(gm: fx.GraphModule, cand, replaced: dict) -> list[fx.Node]:
             node.meta.setdefault("nn_module_stack", match.anchor.meta.get("nn_module_stack", {}))
     for old, new in zip(olds, news):
         new.meta["val"] = old.meta.get("val")
-        new.meta["nn_module_stack"] = match.anchor.meta.get("nn_module_stack", {})
-        new.meta["opfuse_pattern"] = match.pattern.name
         old.replace_all_uses_with(new)
         replaced[old] = new
     for node in reversed(list(graph.nodes)):
@@ -72,7 +71,7 @@ def fold_parameter_concats(gm: fx.GraphModule) -> int:
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten.cat.default and \
                 all(isinstance(a, fx.Node) and a.op == "get_attr" for a in node.args[0]):
-            tensors = [_get_attr(gm, a.target) for a in node.args[0]]
+            tensors = [attrgetter(a.target)(gm) for a in node.args[0]]
             with torch.no_grad():
                 value = torch.cat([t.detach() for t in tensors], *node.args[1:])
             name = f"opfuse_folded_{folded}_{node.name}"
@@ -86,13 +85,6 @@ def fold_parameter_concats(gm: fx.GraphModule) -> int:
     return folded
 
 
-def _get_attr(gm: torch.nn.Module, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def drop_unused_parameters(gm: fx.GraphModule) -> int:
     """Erase ``get_attr`` nodes without users and free the tensors nobody references."""
     dropped = 0
@@ -103,18 +95,13 @@ def drop_unused_parameters(gm: fx.GraphModule) -> int:
     for name, _ in list(gm.named_parameters()) + list(gm.named_buffers()):
         if name not in still:
             owner_path, _, attr = name.rpartition(".")
-            owner = _get_attr(gm, owner_path) if owner_path else gm
+            owner = attrgetter(owner_path)(gm) if owner_path else gm
             if attr in owner._parameters:
                 del owner._parameters[attr]
             elif attr in owner._buffers:
                 del owner._buffers[attr]
             dropped += 1
     return dropped
-
-
-class _Respelling:
-    def __init__(self, match):
-        self.match = match
 
 
 def respell(gm: fx.GraphModule, matches: list) -> dict[str, int]:
@@ -128,7 +115,7 @@ def respell(gm: fx.GraphModule, matches: list) -> dict[str, int]:
         if nodes & taken or (match.pattern.check and match.pattern.check(match)):
             continue
         try:
-            rewrite_region(gm, _Respelling(match), replaced)
+            rewrite_region(gm, match, replaced)
         except RewriteError:
             continue
         taken |= nodes
@@ -146,7 +133,7 @@ def rewrite(gm: fx.GraphModule, cands: list) -> None:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for cand in sorted((c for c in cands if c.decision == "fused"), key=lambda c: order[c.match.anchor]):
         try:
-            rewrite_region(gm, cand, replaced)
+            rewrite_region(gm, cand.match, replaced)
         except RewriteError as exc:
             cand.decision, cand.reason = "rejected", str(exc)
     fold_parameter_concats(gm)

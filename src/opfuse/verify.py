@@ -62,9 +62,9 @@ def record_values(gm: fx.GraphModule, args: tuple, kwargs: dict) -> dict[fx.Node
     return env
 
 
-def run_region(cand, env: dict) -> list:
-    """Evaluate ``cand``'s fused replacement on the recorded values of its inputs."""
-    match = cand.match
+def fused_region_module(match, env: dict) -> tuple[fx.GraphModule, list]:
+    """(module, feeds): ``match``'s fused replacement (its row's ``build``) as a standalone
+    module, with the recorded values of its inputs."""
     graph = fx.Graph()
     inputs = {}
     feeds = []
@@ -76,7 +76,30 @@ def run_region(cand, env: dict) -> list:
             inputs[name] = node
     outs = match.pattern.build(graph, inputs, match.literals, dict(match.params, emit=bool(match.emitted)))
     graph.output(tuple(outs))
-    module = fx.GraphModule(torch.nn.Module(), graph)
+    return fx.GraphModule(torch.nn.Module(), graph), feeds
+
+
+def unfused_region_module(match, env: dict) -> tuple[fx.GraphModule, list]:
+    """(module, feeds): ``match``'s original region nodes copied into a standalone module
+    (external inputs become placeholders), with the recorded values of those inputs."""
+    graph = fx.Graph()
+    mapping: dict = {}
+    inside = set(match.region)
+    feeds = []
+    for node in match.region:
+        for inp in node.all_input_nodes:
+            if inp not in inside and inp not in mapping:
+                mapping[inp] = graph.placeholder(f"in_{len(feeds)}")
+                feeds.append(env[inp])
+    for node in match.region:
+        mapping[node] = graph.node_copy(node, lambda n: mapping[n])
+    graph.output(tuple(mapping[o] for o in list(match.outputs) + list(match.emitted)))
+    return fx.GraphModule(torch.nn.Module(), graph), feeds
+
+
+def run_region(cand, env: dict) -> list:
+    """Evaluate ``cand``'s fused replacement on the recorded values of its inputs."""
+    module, feeds = fused_region_module(cand.match, env)
     with torch.no_grad():
         return list(module(*feeds))
 
@@ -85,23 +108,8 @@ def run_region_float64(cand, env: dict) -> list:
     """Run ``cand``'s original (unfused) nodes with floating inputs upcast to float64: the
     independent reference when eager float32 itself is inaccurate (e.g. LayerNorm of rows
     with mean 1e3 and spread 1e-3)."""
-    graph = fx.Graph()
-    mapping: dict = {}
-    region = cand.match.region
-    inside = set(region)
-    feeds = []
-    for node in region:
-        for inp in node.all_input_nodes:
-            if inp not in inside and inp not in mapping:
-                mapping[inp] = graph.placeholder(f"in_{len(feeds)}")
-                value = env[inp]
-                feeds.append(value.double() if isinstance(value, torch.Tensor) and value.is_floating_point()
-                             else value)
-    for node in region:
-        mapping[node] = graph.node_copy(node, lambda n: mapping[n])
-    outs = list(cand.match.outputs) + list(cand.match.emitted)
-    graph.output(tuple(mapping[o] for o in outs))
-    module = fx.GraphModule(torch.nn.Module(), graph)
+    module, feeds = unfused_region_module(cand.match, env)
+    feeds = [v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in feeds]
     with torch.no_grad():
         return list(module(*feeds))
 

@@ -26,58 +26,19 @@ from .timing import interleaved
 
 
 def plan_unfused(model, args, theta: float, device=None):
-    """The pipeline up to ``select`` on a fresh capture: (graph module, candidates)."""
+    """The pipeline up to ``select`` on a fresh capture (``explain``'s run):
+    (canonicalised graph module, candidates)."""
     from opfuse import pipeline
-    from opfuse.cost.device import profile_for
-    from opfuse.cost.select import select
-    from opfuse.graph.canonicalize import canonicalize
-    from opfuse.graph.capture import capture
-    from opfuse.patterns import LIBRARY, SPELLINGS, find_matches
-    from opfuse.rewrite import respell
-
-    gm = capture(model, args, {})
-    canonicalize(gm)
-    respell(gm, find_matches(gm.graph, SPELLINGS)[0])
-    gm.recompile()
-    matches, _ = find_matches(gm.graph, LIBRARY)
-    cands = pipeline.legality(matches)
-    pipeline.cost(cands, device or profile_for("cpu"))
-    select(cands, theta)
-    return gm, cands
+    plan = pipeline.run(model, args, {}, theta=theta, device=device, verify=False, rewrite_graph=False)
+    return plan.gm, plan.candidates
 
 
 def region_modules(cand, env: dict) -> tuple[fx.GraphModule, fx.GraphModule, list]:
-    """(unfused module, fused module, feeds) of one candidate on recorded values."""
-    match = cand.match
-    # unfused: the region's own nodes, external inputs as placeholders
-    g = fx.Graph()
-    mapping: dict = {}
-    feeds: list = []
-    inside = set(match.region)
-    order: list[fx.Node] = []
-    for node in match.region:
-        for inp in node.all_input_nodes:
-            if inp not in inside and inp not in mapping:
-                mapping[inp] = g.placeholder(f"in_{len(feeds)}")
-                feeds.append(env[inp])
-                order.append(inp)
-    for node in match.region:
-        mapping[node] = g.node_copy(node, lambda n: mapping[n])
-    g.output(tuple(mapping[o] for o in list(match.outputs) + list(match.emitted)))
-    unfused = fx.GraphModule(torch.nn.Module(), g)
-    # fused: as verify.run_region builds it
-    fg = fx.Graph()
-    inputs = {}
-    ffeeds = []
-    for name, node in match.inputs.items():
-        if isinstance(node, fx.Node):
-            inputs[name] = fg.placeholder(name)
-            ffeeds.append(env[node])
-        else:
-            inputs[name] = node
-    outs = match.pattern.build(fg, inputs, match.literals, dict(match.params, emit=bool(match.emitted)))
-    fg.output(tuple(outs))
-    fused = fx.GraphModule(torch.nn.Module(), fg)
+    """(unfused module, fused module, [unfused feeds, fused feeds]) of one candidate on
+    recorded values (the modules verification builds)."""
+    from opfuse.verify import fused_region_module, unfused_region_module
+    unfused, feeds = unfused_region_module(cand.match, env)
+    fused, ffeeds = fused_region_module(cand.match, env)
     return unfused, fused, [feeds, ffeeds]
 
 

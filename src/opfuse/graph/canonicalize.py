@@ -17,6 +17,8 @@ Erf-GELU and tanh-GELU are deliberately NOT unified: they are different function
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 from torch import fx
 
@@ -181,9 +183,7 @@ def addmm_to_linear(gm: fx.GraphModule) -> int:
         out = users[0]
         if _shape(out) != xs[:-1] + (ws[1],):
             continue
-        obj = gm
-        for part in weight.target.split("."):
-            obj = getattr(obj, part)
+        obj = attrgetter(weight.target)(gm)
         name = "opfuse_t_" + weight.target.replace(".", "_")
         if not hasattr(gm, name):
             gm.register_buffer(name, obj.detach().t().contiguous())

@@ -28,7 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..cost.model import Cost, tensor_bytes
+from ..cost.model import Cost, tensor_bytes, unfused_cost
 from .common import check_float, check_linear, check_same_shape, first_problem, shape, val
 from .engine import Pattern
 
@@ -132,7 +132,7 @@ def ffn_fused_cost(match, device) -> Cost:
     weights = tensor_bytes(w1) + tensor_bytes(b1) + tensor_bytes(w2) + tensor_bytes(b2)
     match.params["cost_note"] = (f"W1/W2 re-read once per block of {block} rows: {blocks} × "
                                  f"{weights / 1e6:.2f} MB")
-    return Cost(0, tensor_bytes(x) + blocks * weights, tensor_bytes(out))
+    return Cost(unfused_cost(match.region).flops, tensor_bytes(x) + blocks * weights, tensor_bytes(out))
 
 
 def _build_bias_gelu(form):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
@@ -109,6 +111,6 @@ def print_report(report, console: Console | None = None, limit: int | None = 40)
 
 def render_text(report, width: int = 160) -> str:
     """The report as plain text (no colour codes)."""
-    console = Console(width=width, record=True, color_system=None, file=open("/dev/null", "w"))
+    console = Console(width=width, record=True, color_system=None, file=io.StringIO())
     console.print(render(report, limit=None, block_only=False))
     return console.export_text()
