@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opfuse.kernels import ops, reference
-from opfuse.kernels.reference import TOLERANCE
+from kernel_testing import assert_close, randn
 from opfuse.kernels.registry import REGISTRY, KernelRegistry, lookup
 
 OP = torch.ops.opfuse
@@ -24,17 +24,6 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LAST_DIMS = [1, 7, 127, 384, 1023]
 ROWS = [1, 3, 130]
 APPROX = ["none", "tanh"]
-
-
-def randn(*shape: int, dtype=torch.float32, seed: int = 0, scale: float = 1.0, offset: float = 0.0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale + offset).to(dtype)
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    assert actual.dtype == dtype, f"output dtype {actual.dtype} != input dtype {dtype}"
-    assert actual.shape == expected.shape
-    torch.testing.assert_close(actual.double(), expected, **TOLERANCE[dtype])
 
 
 def ln_params(n: int, dtype: torch.dtype, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from opfuse.kernels import reference
 from opfuse.kernels.cpu import _math
-from opfuse.kernels.reference import TOLERANCE
+from kernel_testing import assert_close, randn
 from opfuse.kernels.registry import REGISTRY, lookup
 
 OP = torch.ops.opfuse
@@ -33,17 +33,6 @@ ROWS = [1, 3, 130]
 HEAD_DIMS = [8, 64, 128]
 SEQS = [1, 7, 33]
 LAYOUTS = ["rotate_half", "interleaved"]
-
-
-def randn(*shape: int, dtype=torch.float32, seed: int = 0, scale: float = 1.0, offset: float = 0.0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale + offset).to(dtype)
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    assert actual.dtype == dtype, f"output dtype {actual.dtype} != expected dtype {dtype}"
-    assert actual.shape == expected.shape
-    torch.testing.assert_close(actual.double(), expected, **TOLERANCE[dtype])
 
 
 def max_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

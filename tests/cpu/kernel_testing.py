@@ -1,0 +1,19 @@
+"""Shared helpers of the CPU kernel tests: seeded inputs built in float64, and a
+comparison with the float64 oracle under the per-dtype TOLERANCE of kernels/reference.py."""
+
+from __future__ import annotations
+
+import torch
+
+from opfuse.kernels.reference import TOLERANCE
+
+
+def randn(*shape: int, dtype=torch.float32, seed: int = 0, scale: float = 1.0, offset: float = 0.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale + offset).to(dtype)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert actual.dtype == dtype, f"output dtype {actual.dtype} != expected dtype {dtype}"
+    assert actual.shape == expected.shape
+    torch.testing.assert_close(actual.double(), expected, **TOLERANCE[dtype])
