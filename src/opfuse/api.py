@@ -121,7 +121,7 @@ class FusedModule(torch.nn.Module):
 
 def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, device=None,
              verify: bool = True, strict: bool = False, example_kwargs: dict | None = None,
-             name: str | None = None) -> FusedModule:
+             name: str | None = None, gemm: str | None = None) -> FusedModule:
     """Capture, match, cost, select, verify and rewrite ``model``.
 
     Args:
@@ -132,16 +132,24 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
         verify: check each fused region against its unfused subgraph (failing regions revert).
         strict: raise :class:`~opfuse.verify.VerificationError` instead of reverting.
         example_kwargs: keyword example inputs (e.g. ``attention_mask``).
+        gemm: GEMM backend mode (:func:`opfuse.gemm.apply_gemm_choices`): ``"auto"``
+            (default, or ``OPFUSE_GEMM``) measures each float32 CPU GEMM shape once and
+            keeps the fastest of eager's layout, a pre-transposed weight and oneDNN;
+            ``"aten"`` keeps eager's GEMMs.
     Returns:
         :class:`FusedModule` whose outputs equal ``model(*inputs)`` within the dtype tolerance
         (:data:`opfuse.verify.TOLERANCE`); ``.report`` is the :class:`FusionReport`.
     Raises:
-        OptimizeError: bad input (training mode, not a module, inputs not a tuple).
+        OptimizeError: bad input (training mode, not a module, inputs not a tuple, unknown gemm mode).
         opfuse.graph.capture.CaptureError: torch.export failed.
     """
     kwargs = dict(example_kwargs or {})
     _check_inputs(model, example_inputs, kwargs)
-    fused = FusedModule(model, dict(theta=theta, device=device, verify=verify, strict=strict, name=name))
+    from .gemm import BACKENDS
+    if gemm not in (None, "auto", *(b.name for b in BACKENDS)):
+        raise OptimizeError(f"opfuse: unknown gemm mode {gemm!r}; expected auto, "
+                            + ", ".join(b.name for b in BACKENDS))
+    fused = FusedModule(model, dict(theta=theta, device=device, verify=verify, strict=strict, name=name, gemm=gemm))
     fused.plan_for(tuple(example_inputs), kwargs)
     return fused
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import fx
@@ -16,6 +16,7 @@ from .cost.select import Candidate, estimate, select
 from .graph.blocks import first_block, op_sequence
 from .graph.canonicalize import canonicalize
 from .graph.capture import capture
+from .gemm import apply_gemm_choices
 from .graph.meta import tensor_values
 from .patterns import LIBRARY, SPELLINGS, Pattern, find_matches
 from .report.data import FusionReport, RegionRecord
@@ -61,9 +62,13 @@ def cost(cands: list[Candidate], device: DeviceProfile) -> None:
 
 def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, theta: float = 0.3,
         device: DeviceProfile | None = None, verify: bool = True, strict: bool = False,
-        rewrite_graph: bool = True, patterns: list[Pattern] | None = None, name: str | None = None) -> Plan:
+        rewrite_graph: bool = True, patterns: list[Pattern] | None = None, name: str | None = None,
+        gemm: str | None = None) -> Plan:
     """capture → canonicalize → match → legality → cost → select → verify → rewrite
-    → report (→ whole-model check when ``verify``)."""
+    → GEMM backends → report (→ whole-model check when ``verify``).
+
+    ``gemm``: GEMM backend mode of :func:`opfuse.gemm.apply_gemm_choices` (default
+    ``OPFUSE_GEMM`` or ``"auto"``: measured per shape and cached)."""
     kwargs = dict(kwargs or {})
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -89,6 +94,7 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, thet
         verify_regions(gm, cands, args, kwargs, strict=strict);    lap("verify")
     if rewrite_graph:
         rewrite(gm, cands);                                         lap("rewrite")
+        gemms = apply_gemm_choices(gm, gemm);                       lap("gemm")
     report = make_report(model, args, kwargs, theta, cands, near, whole, timings, name)
     report.verified = bool(verify)
     if not report.regions and not report.near_misses:  # say why nothing fused, not just "none"
@@ -96,6 +102,8 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, thet
         report.near_misses.append({"pattern": "*", "variant": "", "node": "", "reason": "no pattern of the library "
                                    f"matches any op sequence of this graph (ops: {', '.join(ops) or 'none'})"})
     report.respelled = respelled
+    if rewrite_graph:
+        report.gemm = [asdict(g) for g in gemms]
     if verify and rewrite_graph:
         report.max_error = model_error(model, gm, args, kwargs);   lap("check model")
     report.ops_before = before

@@ -106,6 +106,8 @@ def peers_table(result: dict):
             continue
         notes = r["notes"]
         note = " ".join(f"{k}:{v}" for k, v in notes.get("fused", {}).items()) if isinstance(notes.get("fused"), dict) else ""
+        if notes.get("gemm"):
+            note = f"{note} gemm " + " ".join(f"{k}:{v}" for k, v in notes["gemm"].items())
         if notes.get("export"):
             note = f"{notes['export']} {note}".strip()
         table.add_row(r["peer"], "ok", f"{r['cold_s']:.1f}", f"{r['median_ms']:.2f}", f"{r['iqr_ms']:.2f}",

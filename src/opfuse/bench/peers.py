@@ -4,7 +4,9 @@ cannot be built (missing package, export error, optimizer crash) keeps its error
 and is shown as failed, never dropped.
 
     eager      the Hugging Face model as loaded
-    opfuse     opfuse.optimize (capture → ... → verify → rewrite), cold time includes verification
+    opfuse     opfuse.optimize (capture → ... → verify → rewrite → GEMM backends), cold time
+               includes verification and the GEMM measurements (cached afterwards)
+    opfuse-aten  the same with eager's GEMMs (gemm="aten"): the fusions' share alone
     inductor   torch.compile(model) (default mode); cold time = first call
     ort        torch.onnx.export (dynamo=False first, then dynamo=True) + ONNX Runtime, ORT_ENABLE_ALL
     ort-opt    the same ONNX file through onnxruntime.transformers.optimizer.optimize_model
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-PEERS = ("eager", "opfuse", "inductor", "ort", "ort-opt")
+PEERS = ("eager", "opfuse", "opfuse-aten", "inductor", "ort", "ort-opt")
 # onnxruntime.transformers.optimizer model_type per opfuse model family
 ORT_MODEL_TYPE = {"minilm": "bert", "bert": "bert", "gpt2": "gpt2", "llama": "gpt2", "vit": "vit"}
 
@@ -69,16 +71,20 @@ def build_eager(model, args) -> Peer:
     return Peer("eager", fn, cold_s=0.0)
 
 
-def build_opfuse(model, args, name: str, theta: float = 0.3) -> Peer:
+def build_opfuse(model, args, name: str, theta: float = 0.3, gemm: str | None = None,
+                 label: str = "opfuse") -> Peer:
     import opfuse
     t = time.perf_counter()
-    fused = opfuse.optimize(model, args, theta=theta, name=name)
+    fused = opfuse.optimize(model, args, theta=theta, name=name, gemm=gemm)
     cold = time.perf_counter() - t
 
     def fn():
         with torch.inference_mode():
             return first_tensor(fused(*args))
-    return Peer("opfuse", fn, cold_s=cold, detail={"fused": fused.report.counts(), "module": fused})
+    gemms = {}
+    for g in fused.report.gemm:
+        gemms[g["backend"]] = gemms.get(g["backend"], 0) + 1
+    return Peer(label, fn, cold_s=cold, detail={"fused": fused.report.counts(), "gemm": gemms, "module": fused})
 
 
 def build_inductor(model, args) -> Peer:
@@ -181,6 +187,8 @@ def build_peers(against: list[str], model, args, family: str, name: str, threads
     peers = [build_eager(model, args)]
     wanted = [a.strip() for a in against if a.strip() and a.strip() != "eager"]
     steps: list[tuple[str, Callable[[], list[Peer]]]] = [("opfuse", lambda: [build_opfuse(model, args, name, theta)])]
+    if "opfuse-aten" in wanted:
+        steps.append(("opfuse-aten", lambda: [build_opfuse(model, args, name, theta, gemm="aten", label="opfuse-aten")]))
     if "inductor" in wanted:
         steps.append(("inductor", lambda: [build_inductor(model, args)]))
     if "ort" in wanted or "ort-opt" in wanted:

@@ -55,6 +55,7 @@ class FusionReport:
     version: str = ""
     respelled: dict[str, int] = field(default_factory=dict)  # hand-written spellings -> ATen op
     block_graph: dict = field(default_factory=dict)   # report.graph.graph_summary of one block
+    gemm: list[dict] = field(default_factory=list)    # opfuse.gemm.GemmChoice per GEMM node (asdict)
 
     @property
     def fused(self) -> list[RegionRecord]:
@@ -89,6 +90,7 @@ class FusionReport:
             "timings_s": dict(self.timings_s),
             "ops_before": list(self.ops_before), "ops_after": list(self.ops_after),
             "respelled": dict(self.respelled),
+            "gemm": list(self.gemm),
         }
 
     def to_json(self, path=None) -> str:

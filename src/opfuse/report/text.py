@@ -62,6 +62,21 @@ def near_miss_table(report) -> Table:
     return table
 
 
+def gemm_table(report) -> Table:
+    """One row per GEMM shape and op: backend chosen (``opfuse.gemm``), how many nodes, the
+    measured median time of each backend (ms) and why."""
+    table = Table(title="GEMM backends (measured per shape, cached)")
+    for col in ("op", "M×K×N", "nodes", "backend", "median ms per backend", "why"):
+        table.add_column(col, justify="right" if col == "nodes" else "left")
+    groups: dict[tuple, list] = {}
+    for g in report.gemm:
+        groups.setdefault((g["op"], g["m"], g["k"], g["n"], g["backend"]), []).append(g)
+    for (op, m, k, n, backend), rows in groups.items():
+        times = "  ".join(f"{name} {1e3 * t:.3f}" for name, t in rows[0]["times_s"].items())
+        table.add_row(op, f"{m}×{k}×{n}", str(len(rows)), backend, times, rows[0]["reason"])
+    return table
+
+
 def totals_text(report) -> Text:
     t = report.totals
     per = ", ".join(f"{k} {v}" for k, v in sorted(t["per_pattern"].items())) or "none"
@@ -92,6 +107,8 @@ def render(report, limit: int | None = 40, block_only: bool = True) -> Group:
                                    " ".join(report.ops_after)))
     table = region_table(report, limit=limit, block=first if block_only else None)
     parts += [table, pattern_table(report), totals_text(report)]
+    if report.gemm:
+        parts.append(gemm_table(report))
     if report.near_misses:
         parts.append(near_miss_table(report))
     return Group(*parts)

@@ -7,12 +7,23 @@ mixing OpenBLAS's thread pool with torch's OpenMP pool slowed every later torch 
 count while torch uses one shows a misleading 2x.)
 
 Arrays are float32; ``out`` C-contiguous [M, N]; ``x`` [M, K]; ``weight`` [N, K] (a
-Linear's layout, used transposed without a copy).
+Linear's layout, used transposed without a copy). ``weight`` may also be the [N, K] view
+of a contiguous [K, N] buffer (the ``wt`` layout chosen per shape by ``opfuse.gemm``):
+:func:`operand` keeps that layout, so BLAS gets a non-transposed operand.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def operand(weight: torch.Tensor) -> torch.Tensor:
+    """Detached float32 [N, K] weight, without a copy when it is row-major or the
+    transposed view of a row-major [K, N] buffer (both are BLAS operands as they are)."""
+    w = weight.detach()
+    if w.dim() == 2 and not w.is_contiguous() and w.t().is_contiguous():
+        return w.to(torch.float32)  # keeps the column-major strides (preserve_format)
+    return w.to(dtype=torch.float32, memory_format=torch.contiguous_format)
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:

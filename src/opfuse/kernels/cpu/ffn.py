@@ -42,8 +42,8 @@ def ffn(
 
     x2 = f32(x).reshape(-1, k)  # [M, K]
     m = x2.shape[0]
-    w1f = f32(w1)  # [H, K]
-    w2f = f32(w2)  # [N, H]
+    w1f = _gemm.operand(w1)  # [H, K]
+    w2f = _gemm.operand(w2)  # [N, H]
     b1n = f32_vec(b1, hidden)  # [H]
     b2f = f32(b2)  # [N]
     rows = min(int(block_rows), max(m, 1))

@@ -1,0 +1,125 @@
+"""GEMM backend choice (opfuse.gemm): every backend gives eager's values, the graph
+structure says which one runs, the measured choice follows the (cached) timings, and
+weight updates after optimize are seen through the pre-transposed copies."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import opfuse
+from opfuse import gemm
+from opfuse.kernels.cpu import _gemm
+from opfuse.kernels.reference import linear_bias_gelu as ref_linear_bias_gelu
+
+
+class _MLP(torch.nn.Module):
+    """Two Linear layers (the second without bias) around a tanh: nothing for the pattern
+    library to fuse, so the GEMM pass sees plain aten.linear nodes."""
+
+    def __init__(self, k=48, h=80, n=24):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(k, h)
+        self.fc2 = torch.nn.Linear(h, n, bias=False)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _targets(fused):
+    gm = next(iter(fused._plans.values())).gm
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"], gm
+
+
+@pytest.mark.parametrize("mode", ["aten", "wt", "onednn"])
+def test_forced_backend_equals_eager(mode):
+    if mode == "onednn" and not torch.backends.mkldnn.is_available():
+        pytest.skip("oneDNN not in this torch build")
+    model = _MLP().eval()
+    x = torch.randn(3, 7, 48)
+    fused = opfuse.optimize(model, (x,), gemm=mode)
+    with torch.no_grad():
+        ref = model.double()(x.double()).float()
+        model.float()
+        out = fused(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    targets, gm = _targets(fused)
+    n_linear = targets.count(torch.ops.aten.linear.default)
+    n_onednn = targets.count(torch.ops.mkldnn._linear_pointwise.default)
+    folded = [name for name, _ in gm.named_buffers() if name.startswith("opfuse_folded_wt_")]
+    choices = fused.report.gemm
+    if mode == "aten":
+        assert (n_linear, n_onednn, folded, choices) == (2, 0, [], [])
+    elif mode == "wt":
+        assert (n_linear, n_onednn) == (2, 0)
+        assert sorted(folded) == ["opfuse_folded_wt_fc1_weight", "opfuse_folded_wt_fc2_weight"]
+        assert [c["extra_bytes"] for c in choices] == [80 * 48 * 4, 24 * 80 * 4]
+        # the originals are no longer read by the plan
+        assert not any("fc1.weight" == str(n.target) for n in gm.graph.nodes if n.op == "get_attr")
+    else:
+        assert (n_linear, n_onednn, folded) == (0, 2, [])
+    if mode != "aten":
+        assert [(c["m"], c["k"], c["n"], c["backend"]) for c in choices] == [(21, 48, 80, mode), (21, 80, 24, mode)]
+
+
+def test_wt_weights_follow_in_place_updates():
+    model = _MLP().eval()
+    x = torch.randn(4, 48)
+    fused = opfuse.optimize(model, (x,), gemm="wt")
+    with torch.no_grad():
+        model.fc1.weight.mul_(-2.0)
+        torch.testing.assert_close(fused(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_choice_follows_timings_with_margin():
+    cache = {}
+    # seed the cache with timings: wt clearly faster, onednn within the margin of aten
+    name, times, reason = gemm.choose(64, 32, 16, True, True, cache=cache)  # measures once
+    assert set(times) >= {"aten", "wt"} and name in times
+    (key,) = cache
+    cache[key] = {"aten": 1.0, "wt": 0.90, "onednn": 0.99}
+    assert gemm.choose(64, 32, 16, True, True, cache=cache)[0] == "wt"
+    cache[key] = {"aten": 1.0, "wt": 0.985, "onednn": 0.99}
+    name, _, reason = gemm.choose(64, 32, 16, True, True, cache=cache)
+    assert name == "aten" and "within 3%" in reason
+    # inside a fused kernel only layouts the kernel can take are candidates (no oneDNN)
+    name, times, _ = gemm.choose(64, 32, 16, True, False, cache={})
+    assert "onednn" not in times
+
+
+def test_cache_file_written_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    model = _MLP().eval()
+    x = torch.randn(5, 48)
+    fused = opfuse.optimize(model, (x,), gemm="auto")
+    path = tmp_path / "gemm_cpu.json"
+    assert path.exists() and "5x48x80" in path.read_text()
+    calls = []
+    monkeypatch.setattr(gemm, "measure", lambda *a, **k: calls.append(a) or {"aten": 1.0})
+    opfuse.optimize(model, (x,), gemm="auto")
+    assert calls == []  # second optimize: every shape from the cache
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_not_applied_to_half_precision():
+    model = _MLP().eval().to(torch.bfloat16)
+    x = torch.randn(4, 48, dtype=torch.bfloat16)
+    fused = opfuse.optimize(model, (x,), gemm="wt")
+    assert fused.report.gemm == []
+
+
+def test_unknown_mode_is_a_clear_error():
+    with pytest.raises(opfuse.OptimizeError, match="unknown gemm mode 'blas'"):
+        opfuse.optimize(_MLP().eval(), (torch.randn(2, 48),), gemm="blas")
+
+
+def test_kernel_takes_transposed_weight_without_copy():
+    x = torch.randn(6, 32)
+    w = torch.randn(40, 32) * 0.2
+    b = torch.randn(40)
+    wt_view = w.t().contiguous().t()
+    assert _gemm.operand(wt_view).data_ptr() == wt_view.data_ptr()  # BLAS operand as it is
+    out = torch.ops.opfuse.linear_bias_gelu(x, wt_view, b, "none")
+    ref = ref_linear_bias_gelu(x.double(), w.double(), b.double(), "none")
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, F.gelu(F.linear(x, w, b)), rtol=1e-5, atol=1e-5)
