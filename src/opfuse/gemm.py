@@ -35,7 +35,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from operator import attrgetter
 
@@ -50,34 +50,90 @@ MARGIN = 0.03           # a backend replaces aten only when ≥ 3% faster (media
 ROUNDS = 9              # interleaved timing rounds per shape (after 2 warm-up rounds)
 
 
-@dataclass(frozen=True)
-class GemmBackend:
-    """One way to run ``y[M,N] = x[M,K] @ W[N,K]ᵀ (+ b)``."""
-
-    name: str
-    available: Callable[[], bool]
-    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (x, W, b) -> y
-    prepare: Callable[[torch.Tensor], torch.Tensor]  # W [N,K] -> weight operand the run takes
-    linear_only: bool = False  # usable only where the graph calls aten.linear (not inside a fused kernel)
-
-
-def _linear(x, w, b):
-    return torch.nn.functional.linear(x, w, b)
-
-
-def _onednn(x, w, b):
+def _onednn_linear(x, w, b, node_args):
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
-def _transposed(w: torch.Tensor) -> torch.Tensor:
-    return w.t().contiguous().t()  # [N, K] view of a contiguous [K, N] buffer
+def _onednn_bias_gelu(x, w, b, node_args):  # oneDNN GEMM with its eltwise GELU(erf) post-op
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu", [], "none")
+
+
+def _onednn_residual(x, w, b, node_args):  # oneDNN GEMM with its binary-add post-op
+    return torch.ops.mkldnn._linear_pointwise.binary(x, node_args[3], w, b, "add")
+
+
+@dataclass(frozen=True)
+class Site:
+    """An op with a GEMM inside: where its x / weight / bias arguments are, and how to run it
+    (``run(x, w, b, node_args)``, the op itself on other operands) for timing."""
+
+    kind: str
+    x: int
+    w: int
+    b: int | None
+    run: Callable
+
+
+def _call(target):
+    def run(x, w, b, args):
+        args = list(args)
+        args[0], args[1] = x, w
+        if len(args) > 2 and (args[2] is None or isinstance(args[2], torch.Tensor)):
+            args[2] = b
+        return target(*args)
+    return run
+
+
+def sites() -> dict:
+    """call target -> :class:`Site` for ``aten.linear`` and every registered opfuse op with a
+    GEMM inside."""
+    ops = torch.ops.opfuse
+    table = {aten.linear.default: Site("linear", 0, 1, 2, _call(aten.linear.default))}
+    for name, b in {"linear_bias_gelu": 2, "linear_residual": 2, "swiglu": None,
+                    "linear_add_layernorm": 2, "linear_add_layernorm_sum": 2}.items():
+        if hasattr(ops, name):
+            target = getattr(ops, name).default
+            table[target] = Site(name, 0, 1, b, _call(target))
+    return table
+
+
+@dataclass(frozen=True)
+class GemmBackend:
+    """One way to run a GEMM site. ``transposed``: the weight operand is the [N, K] view of a
+    contiguous [K, N] copy (folded once into the plan). ``replace``: site kind -> function
+    ``(x, w, b, node_args) -> y`` that replaces the whole op (None: the op stays, only its
+    weight operand changes); ``usable(node_args)`` says whether it applies to this call."""
+
+    name: str
+    available: Callable[[], bool]
+    transposed: bool = False
+    replace: dict = field(default_factory=dict)
+    usable: Callable = lambda kind, args: True
+
+    def serves(self, kind: str) -> bool:
+        return not self.replace or kind in self.replace
+
+
+def _onednn_usable(kind, args) -> bool:
+    if kind == "linear_bias_gelu":
+        return args[3] == "none"  # oneDNN's tanh GELU post-op measured slower than eager; erf only
+    if kind == "linear_residual":  # the post-op's operand must be the output's exact shape
+        x, w, res = args[0], args[1], args[3]
+        return isinstance(res, torch.Tensor) and tuple(res.shape) == (*x.shape[:-1], w.shape[0])
+    return True
 
 
 BACKENDS = [
-    GemmBackend("aten", lambda: True, _linear, lambda w: w),
-    GemmBackend("wt", lambda: True, _linear, _transposed),
-    GemmBackend("onednn", lambda: torch.backends.mkldnn.is_available(), _onednn, lambda w: w, linear_only=True),
+    GemmBackend("aten", lambda: True),
+    GemmBackend("wt", lambda: True, transposed=True),
+    GemmBackend("onednn", lambda: torch.backends.mkldnn.is_available(),
+                replace={"linear": _onednn_linear, "linear_bias_gelu": _onednn_bias_gelu,
+                         "linear_residual": _onednn_residual},
+                usable=_onednn_usable),
 ]
+_ONEDNN_OPS = {"linear": lambda: torch.ops.mkldnn._linear_pointwise.default,
+               "linear_bias_gelu": lambda: torch.ops.mkldnn._linear_pointwise.default,
+               "linear_residual": lambda: torch.ops.mkldnn._linear_pointwise.binary}
 
 
 @dataclass(frozen=True)
@@ -93,17 +149,6 @@ class GemmChoice:
     times_s: dict
     reason: str
     extra_bytes: int = 0  # weight copies this choice keeps (bytes)
-
-
-# opfuse ops with a GEMM inside: op -> (x arg index, weight arg index, bias arg index or None)
-def _gemm_args() -> dict:
-    ops = torch.ops.opfuse
-    table = {aten.linear.default: (0, 1, 2)}
-    for name, spec in {"linear_bias_gelu": (0, 1, 2), "linear_residual": (0, 1, 2), "swiglu": (0, 1, None),
-                       "linear_add_layernorm": (0, 1, 2), "linear_add_layernorm_sum": (0, 1, 2)}.items():
-        if hasattr(ops, name):
-            table[getattr(ops, name).default] = spec
-    return table
 
 
 def _cpu_model() -> str:
@@ -134,40 +179,59 @@ def _save_cache(table: dict) -> None:
         pass
 
 
-def measure(m: int, k: int, n: int, bias: bool, backends: list[GemmBackend],
-            dtype: torch.dtype = torch.float32) -> dict[str, float]:
-    """Median seconds of ``y = x @ Wᵀ (+ b)`` for each backend on random [M,K]·[N,K]ᵀ data,
-    timed round-robin (``ROUNDS`` rounds after two warm-up rounds)."""
-    x = torch.randn(m, k, dtype=dtype)
-    w = torch.randn(n, k, dtype=dtype)
-    b = torch.randn(n, dtype=dtype) if bias else None
-    prepared = {be.name: be.prepare(w) for be in backends}
-    samples: dict[str, list[float]] = {be.name: [] for be in backends}
+def _materialize(gm: fx.GraphModule, value):
+    """A node argument as a concrete value for timing: parameters as they are, run-time
+    tensors as random data of their recorded shape/dtype, literals unchanged."""
+    if isinstance(value, fx.Node):
+        if value.op == "get_attr":
+            return attrgetter(value.target)(gm).detach()
+        v = value.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            return torch.randn(tuple(v.shape), dtype=v.dtype)
+        raise ValueError(f"no recorded value for {value.name}")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_materialize(gm, v) for v in value)
+    return value
+
+
+def measure(site: Site, args: list, backends: list[GemmBackend]) -> dict[str, float]:
+    """Median seconds of the site's op for each backend on ``args`` (concrete values),
+    timed round-robin (``ROUNDS`` rounds after two warm-up rounds). A backend whose result
+    differs from aten's beyond float32 round-off (1e-4 relative) is dropped (time inf)."""
+    x, w = args[site.x], args[site.w]
+    b = args[site.b] if site.b is not None and len(args) > site.b else None
+    wt = w.t().contiguous().t()
+    runs = {be.name: (be.replace.get(site.kind) or site.run, wt if be.transposed else w) for be in backends}
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    results = {}
     with torch.no_grad():
         for r in range(ROUNDS + 2):
-            for be in backends:
+            for name, (run, weight) in runs.items():
                 t = time.perf_counter()
-                be.run(x, prepared[be.name], b)
+                y = run(x, weight, b, args)
                 dt = time.perf_counter() - t
                 if r >= 2:
-                    samples[be.name].append(dt)
-    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+                    samples[name].append(dt)
+                else:
+                    results[name] = y[0] if isinstance(y, (tuple, list)) else y
+    ref = results["aten"]
+    bound = 1e-4 * float(ref.abs().max()) + 1e-5
+    return {name: (sorted(v)[len(v) // 2] if float((results[name] - ref).abs().max()) <= bound else float("inf"))
+            for name, v in samples.items()}
 
 
-def choose(m: int, k: int, n: int, bias: bool, linear_only_allowed: bool,
-           dtype: torch.dtype = torch.float32, cache: dict | None = None) -> tuple[str, dict, str]:
-    """(backend name, median times, reason) for one GEMM shape; measured once, then cached."""
-    backends = [be for be in BACKENDS if be.available() and (linear_only_allowed or not be.linear_only)]
-    key = (f"{_cpu_model()} | torch {torch.__version__} | threads {torch.get_num_threads()} | "
-           f"{m}x{k}x{n} | bias {int(bias)} | {str(dtype).replace('torch.', '')} | "
-           + ",".join(be.name for be in backends))
-    table = _load_cache() if cache is None else cache
-    times = table.get(key)
+def choose(site: Site, args: list, backends: list[GemmBackend], cache: dict) -> tuple[str, dict, str]:
+    """(backend name, median times, reason) for one GEMM site and shape; measured once,
+    then kept in ``cache`` (keyed by CPU model, torch version, threads, op, shapes, dtypes)."""
+    def sig(a):
+        if isinstance(a, torch.Tensor):
+            return "x".join(map(str, a.shape)) + ":" + str(a.dtype).replace("torch.", "")
+        return repr(a)
+    key = (f"{_cpu_model()} | torch {torch.__version__} | threads {torch.get_num_threads()} | {site.kind}("
+           + ", ".join(sig(a) for a in args) + ") | " + ",".join(be.name for be in backends))
+    times = cache.get(key)
     if times is None:
-        times = measure(m, k, n, bias, backends, dtype)
-        table[key] = times
-        if cache is None:
-            _save_cache(table)
+        times = cache[key] = measure(site, args, backends)
     base = times["aten"]
     best = min(times, key=times.__getitem__)
     if best != "aten" and times[best] <= base * (1 - MARGIN):
@@ -182,12 +246,15 @@ def _mode() -> str:
 
 def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None) -> list[GemmChoice]:
     """Pipeline pass: for every float32 CPU GEMM whose weight is a parameter (``aten.linear``
-    and opfuse ops with a GEMM inside), choose a backend (:func:`choose`) and rewrite:
-    ``wt`` folds a pre-transposed copy of the weight into the plan, ``onednn`` replaces the
-    ``aten.linear`` node by ``mkldnn._linear_pointwise``.
+    and opfuse ops with a GEMM inside, :func:`sites`), choose a backend (:func:`choose`) and
+    rewrite: ``wt`` folds a pre-transposed copy of the weight into the plan; ``onednn``
+    replaces the node by ``mkldnn._linear_pointwise`` (with its GELU or add post-op).
 
     ``mode`` (default ``OPFUSE_GEMM`` or ``"auto"``): ``"auto"`` measures; ``"aten"`` keeps
     eager's GEMMs; a backend name forces it where usable. Returns the choices (for the report).
+
+    Raises:
+        ValueError: unknown mode.
     """
     mode = mode or _mode()
     if mode not in ("auto", *(be.name for be in BACKENDS)):
@@ -195,63 +262,65 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None) -> list[Gemm
                          + ", ".join(be.name for be in BACKENDS))
     if mode == "aten":
         return []
-    table = _gemm_args()
+    table = sites()
     cache = _load_cache()
     size_before = len(cache)
     choices: list[GemmChoice] = []
     transposed: dict[str, fx.Node] = {}
     for node in list(gm.graph.nodes):
-        spec = table.get(node.target) if node.op == "call_function" else None
-        if spec is None:
+        site = table.get(node.target) if node.op == "call_function" else None
+        if site is None or node.kwargs:
             continue
-        xi, wi, bi = spec
-        x, w = node.args[xi], node.args[wi]
-        b = node.args[bi] if bi is not None and len(node.args) > bi else None
+        x, w = node.args[site.x], node.args[site.w]
         xv = getattr(x, "meta", {}).get("val")
-        wv = w.meta.get("val") if isinstance(w, fx.Node) else None
-        if wv is None and isinstance(w, fx.Node) and w.op == "get_attr":
-            wv = attrgetter(w.target)(gm)  # a folded constant (concatenated QKV weight)
-        if not (isinstance(w, fx.Node) and w.op == "get_attr" and isinstance(xv, torch.Tensor)
-                and isinstance(wv, torch.Tensor) and wv.dim() == 2 and wv.dtype == torch.float32
-                and xv.dtype == torch.float32 and xv.device.type == "cpu" and wv.is_contiguous()):
+        if not (isinstance(w, fx.Node) and w.op == "get_attr" and isinstance(xv, torch.Tensor)):
+            continue
+        wv = attrgetter(w.target)(gm)
+        if not (wv.dim() == 2 and wv.dtype == torch.float32 and xv.dtype == torch.float32
+                and xv.device.type == "cpu" and wv.device.type == "cpu" and wv.is_contiguous()):
             continue
         n, k = wv.shape
         m = prod(xv.shape[:-1])
         if m == 0:
             continue
-        is_linear = node.target is aten.linear.default
-        has_bias = isinstance(b, fx.Node)
+        try:
+            args = [_materialize(gm, a) for a in node.args]
+        except ValueError:
+            continue
+        backends = [be for be in BACKENDS if be.available() and be.serves(site.kind) and be.usable(site.kind, args)]
         if mode == "auto":
-            name, times, reason = choose(m, k, n, has_bias, is_linear, cache=cache)
+            name, times, reason = choose(site, args, backends, cache)
+        elif any(be.name == mode for be in backends):
+            name, times, reason = mode, {}, f"forced (gemm={mode})"
         else:
-            usable = next(be for be in BACKENDS if be.name == mode)
-            if usable.linear_only and not is_linear or not usable.available():
-                continue
-            name, times, reason = mode, {}, f"forced by OPFUSE_GEMM={mode}"
+            continue
         extra = 0
         if name == "wt":
             view = transposed.get(w.target)
             if view is None:
-                weight = attrgetter(w.target)(gm)
                 buf = f"opfuse_folded_wt_{w.target.replace('.', '_')}"
-                gm.register_buffer(buf, weight.detach().t().contiguous())
+                gm.register_buffer(buf, wv.detach().t().contiguous())
                 with gm.graph.inserting_before(node):
                     attr = gm.graph.get_attr(buf)
                     view = gm.graph.call_function(aten.t.default, (attr,))
-                attr.meta["val"] = wv.t().contiguous()
-                view.meta["val"] = attr.meta["val"].t()
+                view.meta["val"] = w.meta.get("val")
                 transposed[w.target] = view
                 extra = wv.numel() * wv.element_size()
             node.replace_input_with(w, view)
         elif name == "onednn":
+            b = node.args[site.b] if site.b is not None and len(node.args) > site.b else None
+            post = {"linear": ("none", [], ""), "linear_bias_gelu": ("gelu", [], "none")}
+            if site.kind == "linear_residual":
+                new_args = (x, node.args[3], w, b, "add")
+            else:
+                new_args = (x, w, b, *post[site.kind])
             with gm.graph.inserting_before(node):
-                new = gm.graph.call_function(torch.ops.mkldnn._linear_pointwise.default,
-                                             (x, w, b if has_bias else None, "none", [], ""))
+                new = gm.graph.call_function(_ONEDNN_OPS[site.kind](), new_args)
             new.meta.update(node.meta)
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
-        choices.append(GemmChoice(node.name, str(node.target).replace("aten.", "").replace("opfuse.", ""),
-                                  m, k, n, name, {kk: round(v, 9) for kk, v in times.items()}, reason, extra))
+        choices.append(GemmChoice(node.name, site.kind, m, k, n, name,
+                                  {kk: round(v, 9) for kk, v in times.items()}, reason, extra))
     if len(cache) != size_before:
         _save_cache(cache)
     if choices:

@@ -71,19 +71,43 @@ def test_wt_weights_follow_in_place_updates():
 
 
 def test_auto_choice_follows_timings_with_margin():
+    site = gemm.sites()[torch.ops.aten.linear.default]
+    args = [torch.randn(64, 32), torch.randn(16, 32), torch.randn(16)]
     cache = {}
-    # seed the cache with timings: wt clearly faster, onednn within the margin of aten
-    name, times, reason = gemm.choose(64, 32, 16, True, True, cache=cache)  # measures once
-    assert set(times) >= {"aten", "wt"} and name in times
+    name, times, _ = gemm.choose(site, args, gemm.BACKENDS, cache)  # measures once
+    assert set(times) == {"aten", "wt", "onednn"} and name in times
     (key,) = cache
+    assert "linear(64x32:float32, 16x32:float32, 16:float32)" in key
     cache[key] = {"aten": 1.0, "wt": 0.90, "onednn": 0.99}
-    assert gemm.choose(64, 32, 16, True, True, cache=cache)[0] == "wt"
+    assert gemm.choose(site, args, gemm.BACKENDS, cache)[0] == "wt"
     cache[key] = {"aten": 1.0, "wt": 0.985, "onednn": 0.99}
-    name, _, reason = gemm.choose(64, 32, 16, True, True, cache=cache)
+    name, _, reason = gemm.choose(site, args, gemm.BACKENDS, cache)
     assert name == "aten" and "within 3%" in reason
-    # inside a fused kernel only layouts the kernel can take are candidates (no oneDNN)
-    name, times, _ = gemm.choose(64, 32, 16, True, False, cache={})
-    assert "onednn" not in times
+
+
+def test_measure_drops_a_backend_with_wrong_values():
+    site = gemm.sites()[torch.ops.aten.linear.default]
+    wrong = gemm.GemmBackend("wrong", lambda: True, replace={"linear": lambda x, w, b, a: F.linear(x, w, b) + 1e-2})
+    times = gemm.measure(site, [torch.randn(8, 16), torch.randn(4, 16), None], [gemm.BACKENDS[0], wrong])
+    assert times["wrong"] == float("inf") and times["aten"] < 1.0
+
+
+def test_fused_ops_get_their_own_backends():
+    """linear_bias_gelu (erf) and linear_residual may run as oneDNN GEMMs with a post-op; the
+    tanh GELU form never does (oneDNN's tanh post-op measured slower)."""
+    by_target = gemm.sites()
+    x, w, b = torch.randn(2, 5, 16), torch.randn(24, 16), torch.randn(24)
+    onednn = gemm.BACKENDS[2]
+    gelu = by_target[torch.ops.opfuse.linear_bias_gelu.default]
+    assert onednn.usable(gelu.kind, [x, w, b, "none"]) and not onednn.usable(gelu.kind, [x, w, b, "tanh"])
+    res = by_target[torch.ops.opfuse.linear_residual.default]
+    assert onednn.usable(res.kind, [x, w, b, torch.randn(2, 5, 24)])
+    assert not onednn.usable(res.kind, [x, w, b, torch.randn(24)])  # broadcast residual: not a post-op operand
+    for site, args, ref in [(gelu, [x, w, b, "none"], F.gelu(F.linear(x, w, b))),
+                            (res, [x, w, b, torch.ones(2, 5, 24)], F.linear(x, w, b) + 1)]:
+        out = onednn.replace[site.kind](*args[:3], args)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert gemm.measure(site, args, gemm.BACKENDS)["onednn"] < float("inf")
 
 
 def test_cache_file_written_and_reused(tmp_path, monkeypatch):
@@ -92,7 +116,7 @@ def test_cache_file_written_and_reused(tmp_path, monkeypatch):
     x = torch.randn(5, 48)
     fused = opfuse.optimize(model, (x,), gemm="auto")
     path = tmp_path / "gemm_cpu.json"
-    assert path.exists() and "5x48x80" in path.read_text()
+    assert path.exists() and "linear(5x48:float32, 80x48:float32, 80:float32)" in path.read_text()
     calls = []
     monkeypatch.setattr(gemm, "measure", lambda *a, **k: calls.append(a) or {"aten": 1.0})
     opfuse.optimize(model, (x,), gemm="auto")
