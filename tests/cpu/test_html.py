@@ -168,3 +168,13 @@ def test_chromium_renders_without_javascript_errors(page, tmp_path):
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 50_000
     print(f"screenshot: {shot}")
+
+
+def test_gemm_table_lists_every_choice(report, page):
+    """One row per GEMM node of report.gemm, naming the backend chosen."""
+    assert report.gemm, "bert-tiny is float32 on CPU: every GEMM gets a backend choice"
+    text = open(page).read()
+    body = text.split('id="gemm"', 1)[1].split("</table>", 1)[0]
+    assert body.count("<tr>") - 1 == len(report.gemm)  # minus the header row
+    for g in report.gemm:
+        assert f'<td>{g["node"]}</td>' in body and g["backend"] in body

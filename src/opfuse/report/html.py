@@ -395,6 +395,18 @@ def near_miss_table(report) -> str:
             f"</tr></thead><tbody>{rows}</tbody></table>")
 
 
+def gemm_table(report) -> str:
+    """One row per GEMM node: op, M×K×N, backend chosen, median time per backend, why."""
+    if not report.gemm:
+        return '<p class="muted">No GEMM backend choice (not float32 on CPU, or gemm="aten").</p>'
+    rows = "".join(
+        f'<tr><td>{esc(g["node"])}</td><td>{esc(g["op"])}</td><td>{g["m"]}×{g["k"]}×{g["n"]}</td>'
+        f'<td>{esc(g["backend"])}</td><td>{esc("  ".join(f"{k} {human_time(v)}" for k, v in g["times_s"].items()))}'
+        f'</td><td class="reason">{esc(g["reason"])}</td></tr>' for g in report.gemm)
+    return ('<table class="sortable" id="gemm"><thead><tr><th>node</th><th>op</th><th>M×K×N</th><th>backend</th>'
+            f"<th>median per backend</th><th>why</th></tr></thead><tbody>{rows}</tbody></table>")
+
+
 def header(report, device) -> str:
     t = report.totals
     err = "not checked" if t["max_error"] is None else f"{t['max_error']:.2e}"
@@ -466,6 +478,7 @@ def render_html(report, device=None) -> str:
 <div class="card"><h2>Regions ({len(report.regions)} candidates, {len(report.fused)} fused) — click a column to
 sort</h2>{region_table(report)}</div>
 <div class="card"><h2>Near misses ({len(report.near_misses)}): came close, did not fuse</h2>{near_miss_table(report)}</div>
+<div class="card"><h2>GEMM backends ({len(report.gemm)} GEMMs, measured per shape at optimize time)</h2>{gemm_table(report)}</div>
 <p class="muted">Bytes are modelled memory traffic (each ATen op as its own kernel vs the fused kernel);
 ρ = (M<sub>orig</sub> − M<sub>fused</sub>)/M<sub>orig</sub>; I = FLOPs / bytes; t = roofline time on
 {esc(device.name)} incl. launch overhead. Written by opfuse {esc(report.version)}.</p>
