@@ -79,7 +79,7 @@ def test_one_outlined_cluster_per_fused_region_of_the_block(report, page):
     block = report.block_graph["block"]
     expected = {f"region-{i}" for i, r in enumerate(report.regions) if r.decision == "fused" and r.block == block}
     drawn = {a["id"] for a in parsed.with_class("cluster", "region", "fused")}
-    assert drawn == expected and len(expected) == 5      # qkv_merge, attention, ffn, 2 × add_layernorm
+    assert drawn == expected and len(expected) == 5      # qkv_merge, attention, linear_add_layernorm, ffn, add_layernorm
     for i in (int(x.split("-")[1]) for x in drawn):     # coloured by pattern
         assert f"pattern-{report.regions[i].pattern}" in next(
             a["class"] for a in parsed.with_class("cluster") if a["id"] == f"region-{i}")

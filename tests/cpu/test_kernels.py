@@ -157,6 +157,40 @@ def test_linear_residual(rows, k, n, dtype, with_bias):
     assert_close(OP.linear_residual(x, w, b, res), reference.linear_residual(x, w, b, res), dtype)
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k,n", LINEAR_SHAPES)
+def test_linear_add_layernorm(rows, k, n, dtype, with_bias):
+    x = randn(rows, k, dtype=dtype, seed=50)
+    w, b = linear_params(n, k, dtype)
+    g, beta = ln_params(n, dtype, seed=3)
+    b, beta = (b, beta) if with_bias else (None, None)
+    res = randn(rows, n, dtype=dtype, seed=51)
+    expected, expected_sum = reference.linear_add_layernorm(x, w, b, res, g, beta, 1e-5, True)
+    assert_close(OP.linear_add_layernorm(x, w, b, res, g, beta, 1e-5), expected, dtype)
+    out, s = OP.linear_add_layernorm_sum(x, w, b, res, g, beta, 1e-5)
+    assert_close(out, expected, dtype)
+    assert_close(s, expected_sum, dtype)
+
+
+def test_linear_add_layernorm_large_mean_rows_beat_eager():
+    """Residual rows 1234 + 1e-3·randn (a tiny spread on a large mean): the GEMM accumulates
+    into the residual shifted by its first element, so the spread survives float32."""
+    k, n = 96, 256
+    x = randn(64, k, seed=52, scale=1e-3)
+    w, b = linear_params(n, k, torch.float32, seed=53)
+    b = b * 1e-3
+    res = randn(64, n, seed=54, scale=1e-3, offset=1234.0)
+    g, beta = torch.ones(n), torch.zeros(n)
+    expected, expected_sum = reference.linear_add_layernorm(x, w, b, res, g, beta, 1e-5, True)
+    out, s = OP.linear_add_layernorm_sum(x, w, b, res, g, beta, 1e-5)
+    ours = max_err(out, expected)
+    eager = max_err(F.layer_norm(F.linear(x, w, b) + res, (n,), g, beta, 1e-5), expected)
+    assert ours <= 1e-5, ours
+    assert eager > 100 * ours, (eager, ours)
+    assert max_err(s, expected_sum) <= 1.3e-4  # the sum itself rounds at 1234: half an ulp is 6.1e-5
+
+
 @pytest.mark.parametrize("block_rows", [1, 7, 64, 4096])
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -175,6 +209,9 @@ def test_linear_ops_keep_leading_dims():
     w2, b2 = linear_params(16, 8, torch.float32, seed=4)
     assert OP.linear_bias_gelu(x, w, b, "none").shape == (2, 3, 5, 8)
     assert OP.linear_residual(x, w, b, randn(2, 3, 5, 8)).shape == (2, 3, 5, 8)
+    g, beta = ln_params(8, torch.float32)
+    out, s = OP.linear_add_layernorm_sum(x, w, b, randn(2, 3, 5, 8), g, beta, 1e-5)
+    assert out.shape == s.shape == (2, 3, 5, 8)
     assert OP.ffn(x, w, b, w2, b2, "tanh", 4).shape == (2, 3, 5, 16)
 
 
@@ -278,6 +315,10 @@ def _bad_calls():
         ("weight shape", lambda: OP.linear_bias_gelu(x, randn(4, 7), lb, "none")),
         ("bias shape", lambda: OP.linear_bias_gelu(x, lw, randn(5), "none")),
         ("residual shape", lambda: OP.linear_residual(x, lw, lb, randn(3, 5))),
+        ("residual shape", lambda: OP.linear_add_layernorm(x, lw, lb, randn(3, 8), w[:4], b[:4], 1e-5)),
+        ("ln_weight shape", lambda: OP.linear_add_layernorm(x, lw, lb, randn(3, 4), w, b[:4], 1e-5)),
+        ("ln_bias shape", lambda: OP.linear_add_layernorm_sum(x, lw, lb, randn(3, 4), w[:4], b, 1e-5)),
+        ("dtype mismatch", lambda: OP.linear_add_layernorm(x, lw, lb, randn(3, 4).half(), w[:4], b[:4], 1e-5)),
         ("w2 shape", lambda: OP.ffn(x, lw, lb, randn(8, 5), b, "none", 4)),
         ("block_rows", lambda: OP.ffn(x, lw, lb, randn(8, 4), b, "none", 0)),
         ("must divide", lambda: OP.attention(q, kv, kv, None, 1.0, False)),
@@ -301,7 +342,8 @@ def test_bad_input_raises_value_error(case):
 def test_registry_lookup_and_errors():
     assert set(REGISTRY) >= {
         (key, "cpu")
-        for key in ("add_layernorm", "layernorm_gelu", "linear_bias_gelu", "linear_residual", "ffn", "attention")
+        for key in ("add_layernorm", "layernorm_gelu", "linear_bias_gelu", "linear_residual", "linear_add_layernorm",
+                    "ffn", "attention")
     }
     with pytest.raises(NotImplementedError, match="opfuse: no add_layernorm kernel for device cuda"):
         lookup("add_layernorm", "cuda")
@@ -325,6 +367,8 @@ def test_fake_shapes_on_meta():
     m = lambda *s: torch.empty(*s, device="meta", dtype=torch.bfloat16)  # noqa: E731
     assert OP.add_layernorm_sum(m(2, 3, 8), m(2, 3, 8), m(8), None, 1e-5)[1].shape == (2, 3, 8)
     assert OP.linear_bias_gelu(m(2, 3, 8), m(5, 8), m(5), "none").shape == (2, 3, 5)
+    out, s = OP.linear_add_layernorm_sum(m(2, 3, 8), m(5, 8), None, m(2, 3, 5), m(5), m(5), 1e-5)
+    assert out.shape == s.shape == (2, 3, 5) and s.dtype == torch.bfloat16
     out = OP.ffn(m(2, 3, 8), m(16, 8), m(16), m(6, 16), m(6), "tanh", 4)
     assert out.shape == (2, 3, 6) and out.dtype == torch.bfloat16
     assert OP.attention(m(1, 4, 3, 8), m(1, 2, 5, 8), m(1, 2, 5, 6), None, 0.3, False).shape == (1, 4, 3, 6)
@@ -345,6 +389,9 @@ def _opcheck_cases():
         (OP.linear_bias_gelu, (x, lw, lb, "none")),
         (OP.linear_residual, (x, lw, lb, randn(2, 3, 4, seed=45))),
         (OP.linear_residual, (x, lw, None, randn(2, 3, 4, seed=45))),
+        (OP.linear_add_layernorm, (x, lw, lb, randn(2, 3, 4, seed=46), w[:4], b[:4], 1e-5)),
+        (OP.linear_add_layernorm, (x, lw, None, randn(2, 3, 4, seed=46), w[:4], None, 1e-5)),
+        (OP.linear_add_layernorm_sum, (x, lw, lb, randn(2, 3, 4, seed=46), w[:4], b[:4], 1e-5)),
         (OP.ffn, (x, lw, lb, w2, b2, "none", 2)),
         (OP.attention, (q, k, v, keep, 0.3, False)),
         (OP.attention, (q, k, v, None, 0.3, True)),

@@ -23,7 +23,9 @@ def test_tiny_bert_equals_eager_and_fuses(attn):
     torch.testing.assert_close(out.pooler_output, ref.pooler_output, atol=1e-4, rtol=1e-4)
     counts = fused.report.counts()
     assert counts["attention"] == 2 and counts["qkv_merge"] == 2
-    assert counts["add_layernorm"] == 4
+    # post-LN: attention dense -> +residual -> LN is one linear_add_layernorm; the FFN's output
+    # dense goes to the ffn kernel (it saves more), leaving its add+LN to add_layernorm
+    assert counts["linear_add_layernorm"] == 2 and counts["add_layernorm"] == 2
     # the embeddings LayerNorm's add broadcasts position embeddings [1,S,E]: refused, with the reason
     emb = [r for r in fused.report.regions if r.anchor == "layer_norm"]
     assert emb and emb[0].decision == "rejected" and "broadcast" in emb[0].reason
@@ -40,7 +42,7 @@ def test_minilm_real_weights():
     fused, ref, out = _run(loaded)
     torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, atol=1e-4, rtol=1e-4)
     counts = fused.report.counts()
-    assert counts == {"attention": 6, "qkv_merge": 6, "add_layernorm": 12, "bias_gelu": 6}, counts
+    assert counts == {"attention": 6, "qkv_merge": 6, "linear_add_layernorm": 12, "bias_gelu": 6}, counts
     t = fused.report.totals
     assert t["bytes_fused"] < 0.8 * t["bytes_unfused"]
 
@@ -53,3 +55,23 @@ def test_minilm_sentences_cosine():
     cos = torch.nn.functional.cosine_similarity(pool(ref.last_hidden_state), pool(out.last_hidden_state))
     assert cos.min() >= 0.99999
     assert fused.report.counts()["attention"] == 6
+
+
+@pytest.mark.parametrize("name,batch,seq", [("gpt2-tiny", 2, 64), ("vit-tiny", 4, 0)])
+def test_pre_ln_residual_layernorm_sites(name, batch, seq):
+    """Pre-LN (2 layers): 2L + 1 add+LayerNorm sites. Each attention output projection ->
+    +residual -> LN fuses as linear_add_layernorm (the sum is also the next residual, so it is
+    emitted); each MLP output projection is taken by the ffn kernel (more bytes saved); the
+    embedding add (not after a linear) stays add_layernorm, refused with its reason."""
+    loaded = load(name, batch=batch, seq=seq, attn="eager")
+    fused, ref, out = _run(loaded)
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, atol=1e-4, rtol=1e-4)
+    regions = fused.report.regions
+    lal = [r for r in regions if r.pattern == "linear_add_layernorm"]
+    assert len(lal) == 4 and sum(r.decision == "fused" for r in lal) == 2
+    for r in lal:
+        if r.decision != "fused":
+            assert "overlaps ffn" in r.reason or "θ" in r.reason, r.reason
+    first = next(r for r in regions if r.pattern == "add_layernorm" and r.anchor == "layer_norm")
+    assert first.decision == "rejected"
+    assert not any(r.anchor == "layer_norm" for r in lal)  # the embedding add follows no linear

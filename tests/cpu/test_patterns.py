@@ -156,6 +156,73 @@ def test_add_layernorm_not_with_broadcast_add():
     assert "broadcast" in region.reason and "add" in region.reason
 
 
+class LinearAddLN(torch.nn.Module):
+    """dense -> + residual -> LayerNorm; ``emit`` also returns the sum (pre-LN: the next residual)."""
+
+    def __init__(self, k=48, n=32, bias=True, emit=False, ln_shape=None, runtime_weight=False):
+        super().__init__()
+        self.fc = torch.nn.Linear(k, n, bias=bias)
+        self.ln = torch.nn.LayerNorm(ln_shape or n)
+        self.emit, self.runtime_weight = emit, runtime_weight
+
+    def forward(self, x, r):
+        w = self.fc.weight * 1.5 if self.runtime_weight else self.fc.weight
+        s = r + F.linear(x, w, self.fc.bias)  # residual first: the add is matched either way round
+        y = self.ln(s)
+        return (y, s * 2) if self.emit else y
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("emit", [False, True])
+def test_linear_add_layernorm_fuses_and_wins_overlaps(bias, emit):
+    report = fused_and_check(LinearAddLN(bias=bias, emit=emit), torch.randn(4, 16, 48), torch.randn(4, 16, 32))
+    assert report.counts() == {"linear_add_layernorm": 1}
+    (region,) = report.fused
+    assert len(region.nodes) == 3
+    others = {r.pattern: r for r in report.regions if r.decision != "fused"}
+    assert "overlaps linear_add_layernorm" in others["out_proj_residual"].reason
+    if emit:  # the sum is written too: add_layernorm alone has ρ = 0.2 and fails θ
+        assert "θ" in others["add_layernorm"].reason
+    else:
+        assert "overlaps linear_add_layernorm" in others["add_layernorm"].reason
+    assert region.bytes_unfused - region.bytes_fused > max(r.bytes_unfused - r.bytes_fused for r in others.values())
+
+
+def test_linear_add_layernorm_not_with_runtime_weight():
+    report = fused_and_check(LinearAddLN(runtime_weight=True), torch.randn(4, 16, 48), torch.randn(4, 16, 32))
+    assert "linear_add_layernorm" not in report.counts()
+    (region,) = [r for r in report.regions if r.pattern == "linear_add_layernorm"]
+    assert region.decision == "rejected"
+    assert "weight-is-parameter" in region.reason and "linear" in region.reason and "mul" in region.reason
+    assert report.counts().get("add_layernorm") == 1  # the add+LN alone still fuses
+
+
+def test_linear_add_layernorm_not_over_two_dims():
+    m = LinearAddLN(ln_shape=(16, 32))
+    report = fused_and_check(m, torch.randn(4, 16, 48), torch.randn(4, 16, 32))
+    assert "linear_add_layernorm" not in report.counts() and "add_layernorm" not in report.counts()
+    (region,) = [r for r in report.regions if r.pattern == "linear_add_layernorm"]
+    assert "last dim" in region.reason and "layer_norm" in region.reason
+
+
+def test_linear_add_layernorm_not_with_broadcast_residual():
+    report = fused_and_check(LinearAddLN(), torch.randn(4, 16, 48), torch.randn(1, 16, 32))
+    (region,) = [r for r in report.regions if r.pattern == "linear_add_layernorm"]
+    assert region.decision == "rejected" and "equal-shapes" in region.reason and "broadcast" in region.reason
+
+
+def test_linear_add_layernorm_near_miss_names_the_linear_with_other_consumers():
+    class M(LinearAddLN):
+        def forward(self, x, r):
+            y = self.fc(x)
+            return self.ln(y + r), y
+
+    report = fused_and_check(M(), torch.randn(4, 16, 48), torch.randn(4, 16, 32))
+    assert "linear_add_layernorm" not in report.counts()
+    (nm,) = [nm for nm in report.near_misses if nm["pattern"] == "linear_add_layernorm"]
+    assert nm["node"].startswith("linear") and "consumer" in nm["reason"]
+
+
 class LNGelu(torch.nn.Module):
     def __init__(self, approximate="none"):
         super().__init__()

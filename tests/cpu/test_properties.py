@@ -100,6 +100,22 @@ def test_linear_residual(data):
 
 @SETTINGS
 @given(st.data())
+def test_linear_add_layernorm_and_sum(data):
+    d = data.draw
+    dtype, k, n, rows, eps = d(DTYPES), d(DIMS), d(DIMS), d(SMALL), d(EPS)
+    x = make(d, (rows, 3, k), dtype)
+    res = make(d, (rows, 3, n), dtype, offset=d(st.sampled_from([0.0, 100.0])))
+    w, b = make(d, (n, k), dtype, 1 / math.sqrt(k)), maybe(d, (n,), dtype)
+    g, beta = make(d, (n,), dtype, 0.5, 1.0), maybe(d, (n,), dtype)
+    expected, expected_sum = ref.linear_add_layernorm(x, w, b, res, g, beta, eps, True)
+    close(OP.linear_add_layernorm(x, w, b, res, g, beta, eps), expected, dtype)
+    out, s = OP.linear_add_layernorm_sum(x, w, b, res, g, beta, eps)
+    close(out, expected, dtype)
+    close(s, expected_sum, dtype)
+
+
+@SETTINGS
+@given(st.data())
 def test_ffn(data):
     d = data.draw
     dtype, k, h, form = d(DTYPES), d(DIMS), d(DIMS), d(FORMS)

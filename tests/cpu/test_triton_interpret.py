@@ -125,6 +125,29 @@ def _cases() -> dict:
                                       reference.linear_residual(x, w, bias, res), dt))
             return max(errs)
 
+        @case(f"linear_add_layernorm-{dname}")
+        def _(dt=dt):
+            errs = []
+            tol = reference.TOLERANCE[dt] if dt == torch.float32 else {"rtol": 3e-2, "atol": 3e-2}  # s rounded
+            for i, (m, k, n) in enumerate([(1, 7, 5), (37, 33, 47), (3, 80, 127)]):
+                x, res = randn(m, k, dtype=dt, seed=i), randn(m, n, dtype=dt, seed=i + 3)
+                w, b = randn(n, k, dtype=dt, seed=i + 1, scale=1 / math.sqrt(k)), randn(n, dtype=dt, seed=i + 2)
+                g, beta = randn(n, dtype=dt, seed=i + 4, scale=0.5, offset=1.0), randn(n, dtype=dt, seed=i + 5)
+                for bias, ln_bias in ((b, beta), (None, None)):
+                    for emit in (True, False):
+                        exp, exp_s = reference.linear_add_layernorm(x, w, bias, res, g, ln_bias, 1e-5, emit)
+                        out, s = K("linear_add_layernorm")(x, w, bias, res, g, ln_bias, 1e-5, emit)
+                        errs.append(close(out, exp, dt, tol))
+                        assert (s is None) == (not emit)
+                        if emit:
+                            errs.append(close(s, exp_s, dt))
+            x3 = randn(2, 5, 33, dtype=dt, seed=9)  # leading dims kept
+            w, r3 = randn(19, 33, dtype=dt, seed=4, scale=0.2), randn(2, 5, 19, dtype=dt, seed=5)
+            g = randn(19, dtype=dt, seed=6, offset=1.0)
+            out, _ = K("linear_add_layernorm")(x3, w, None, r3, g, None, 1e-5, False)
+            errs.append(close(out, reference.linear_add_layernorm(x3, w, None, r3, g, None, 1e-5, False)[0], dt, tol))
+            return max(errs)
+
         @case(f"ffn-{dname}")
         def _(dt=dt):
             x = randn(2, 9, 24, dtype=dt, seed=1)
@@ -210,7 +233,8 @@ def _cases() -> dict:
     def _():
         from opfuse.kernels.registry import REGISTRY
 
-        keys = {"add_layernorm", "layernorm_gelu", "linear_bias_gelu", "linear_residual", "ffn", "attention"}
+        keys = {"add_layernorm", "layernorm_gelu", "linear_bias_gelu", "linear_residual", "linear_add_layernorm", "ffn",
+                "attention"}
         missing = {k for k in keys if (k, "cuda") not in REGISTRY or (k, "cpu") not in REGISTRY}
         assert not missing, missing
         assert REGISTRY[("attention", "cuda")].__module__ == "opfuse.kernels.triton.attention"
@@ -219,8 +243,8 @@ def _cases() -> dict:
     return cases
 
 
-CASE_NAMES = [f"{k}-{d}" for k in ("add_layernorm", "layernorm_gelu", "linear_bias_gelu", "linear_residual", "ffn",
-                                   "attention") for d in DTYPES] + [
+CASE_NAMES = [f"{k}-{d}" for k in ("add_layernorm", "layernorm_gelu", "linear_bias_gelu", "linear_residual",
+                                   "linear_add_layernorm", "ffn", "attention") for d in DTYPES] + [
     "attention-fully-masked-matches-sdpa", "layernorm-shifted-statistics-mean-1e4", "gelu-forms-not-swapped",
     "registry-has-cuda-kernels"]
 

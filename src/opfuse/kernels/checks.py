@@ -167,6 +167,35 @@ def check_linear_residual(
     return k, n
 
 
+def check_linear_add_layernorm(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None,  # [N]
+    residual: torch.Tensor,  # [..., N]
+    ln_weight: torch.Tensor,  # [N]
+    ln_bias: torch.Tensor | None,  # [N]
+    *,
+    device_type: DeviceType,
+) -> tuple[int, int]:
+    """LayerNorm(x @ weight.T + bias + residual) over N; returns (K, N)."""
+    op = "linear_add_layernorm"
+    check_gemm_operands(op, x, weight, device_type=device_type)
+    check_tensor(op, "residual", residual, device_type=device_type)
+    check_tensor(op, "ln_weight", ln_weight, device_type=device_type)
+    for name, t in (("bias", bias), ("ln_bias", ln_bias)):
+        if t is not None:
+            check_tensor(op, name, t, device_type=device_type)
+    k, n = check_linear(op, x, weight, bias)
+    check_shape(op, "residual", residual, (*x.shape[:-1], n))
+    check_same(op, x=x, weight=weight, residual=residual)
+    if n == 0:
+        raise ValueError(f"opfuse.{op}: normalised dim is empty (weight shape {tuple(weight.shape)})")
+    check_shape(op, "ln_weight", ln_weight, (n,))
+    if ln_bias is not None:
+        check_shape(op, "ln_bias", ln_bias, (n,))
+    return k, n
+
+
 def check_ffn(
     x: torch.Tensor,  # [..., K]
     w1: torch.Tensor,  # [H, K]

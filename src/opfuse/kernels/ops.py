@@ -9,6 +9,8 @@ op and imports the CPU kernels (which register themselves).
     opfuse::layernorm_gelu(Tensor x, Tensor weight, Tensor? bias, float eps, str approximate) -> Tensor
     opfuse::linear_bias_gelu(Tensor x, Tensor weight, Tensor bias, str approximate) -> Tensor
     opfuse::linear_residual(Tensor x, Tensor weight, Tensor? bias, Tensor residual) -> Tensor
+    opfuse::linear_add_layernorm(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor? ln_bias, float eps) -> Tensor
+    opfuse::linear_add_layernorm_sum(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor? ln_bias, float eps) -> (Tensor, Tensor)
     opfuse::ffn(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2, str approximate, int block_rows) -> Tensor
     opfuse::attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal) -> Tensor
     opfuse::rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor
@@ -48,6 +50,10 @@ SCHEMAS: dict[str, str] = {
     "layernorm_gelu": "(Tensor x, Tensor weight, Tensor? bias, float eps, str approximate) -> Tensor",
     "linear_bias_gelu": "(Tensor x, Tensor weight, Tensor bias, str approximate) -> Tensor",
     "linear_residual": "(Tensor x, Tensor weight, Tensor? bias, Tensor residual) -> Tensor",
+    "linear_add_layernorm": "(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, "
+                            "Tensor? ln_bias, float eps) -> Tensor",
+    "linear_add_layernorm_sum": "(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, "
+                                "Tensor? ln_bias, float eps) -> (Tensor, Tensor)",
     "ffn": "(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2, str approximate, int block_rows) -> Tensor",
     "attention": "(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal) -> Tensor",
     "rmsnorm": "(Tensor x, Tensor weight, float eps) -> Tensor",
@@ -122,6 +128,38 @@ def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Te
 @linear_residual.register_fake
 def _(x, weight, bias, residual):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# --- linear_add_layernorm / linear_add_layernorm_sum -----------------------------------
+# LayerNorm(x @ weight.T + bias + residual); the _sum op also returns the residual sum.
+
+
+@_op("linear_add_layernorm")
+def linear_add_layernorm(
+    x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor, ln_weight: Tensor, ln_bias: Tensor | None,
+    eps: float,
+) -> Tensor:
+    out, _ = lookup("linear_add_layernorm", x.device.type)(x, weight, bias, residual, ln_weight, ln_bias, eps, False)
+    return out
+
+
+@linear_add_layernorm.register_fake
+def _(x, weight, bias, residual, ln_weight, ln_bias, eps):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@_op("linear_add_layernorm_sum")
+def linear_add_layernorm_sum(
+    x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor, ln_weight: Tensor, ln_bias: Tensor | None,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
+    return lookup("linear_add_layernorm", x.device.type)(x, weight, bias, residual, ln_weight, ln_bias, eps, True)
+
+
+@linear_add_layernorm_sum.register_fake
+def _(x, weight, bias, residual, ln_weight, ln_bias, eps):
+    shape = (*x.shape[:-1], weight.shape[0])
+    return x.new_empty(shape), x.new_empty(shape)
 
 
 # --- ffn -------------------------------------------------------------------------------
@@ -220,6 +258,8 @@ def warm_up() -> None:
         lookup("linear_bias_gelu", "cpu")(x, r(4, 8), r(4), approximate)
         lookup("ffn", "cpu")(x, r(16, 8), r(16), r(8, 16), r(8), approximate, 1)
     lookup("linear_residual", "cpu")(x, r(4, 8), r(4), r(2, 4))
+    for emit_sum in (True, False):
+        lookup("linear_add_layernorm", "cpu")(x, r(4, 8), r(4), r(2, 4), r(4), r(4), 1e-5, emit_sum)
     lookup("attention", "cpu")(r(1, 2, 3, 4), r(1, 1, 5, 4), r(1, 1, 5, 4), None, 0.5, False)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):  # one rounding path each
         lookup("rmsnorm", "cpu")(x.to(dtype), w, 1e-6)

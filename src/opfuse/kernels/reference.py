@@ -66,6 +66,12 @@ def linear_residual(x, weight, bias, residual) -> torch.Tensor:
     return linear(x, weight, bias) + _d(residual)
 
 
+def linear_add_layernorm(x, weight, bias, residual, ln_weight, ln_bias, eps: float, emit_sum: bool):
+    """(LayerNorm(x @ weight.T + bias + residual), the sum or None), the order of the op's outputs."""
+    s = linear_residual(x, weight, bias, residual)
+    return layer_norm(s, ln_weight, ln_bias, eps), (s if emit_sum else None)
+
+
 def ffn(x, w1, b1, w2, b2, approximate: str, block_rows: int = 0) -> torch.Tensor:
     """Linear -> GELU -> Linear; block_rows is a schedule detail and does not change the value."""
     return linear(gelu(linear(x, w1, b1), approximate), w2, b2)

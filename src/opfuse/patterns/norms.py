@@ -10,6 +10,18 @@ add_layernorm (SkipLayerNorm; post-LN residual block, BERT)::
            |
           out       ==>   opfuse.add_layernorm(x, r, γ, β, eps)  [ + s ]
 
+linear_add_layernorm (GEMM + residual + LayerNorm; the pre-LN block of GPT-2 / ViT, whose sum
+is also the next residual, and the post-LN dense → +residual → LN of BERT)::
+
+    x [..., K] --linear(W [N,K], b [N])--> y     r [..., N]
+                                            \\   /
+                                             add   s   (s may have other consumers: also written)
+                                              |
+                                 layer_norm(N, γ, β, eps)
+                                              |
+          out   ==>   opfuse.linear_add_layernorm(x, W, b, r, γ, β, eps)  [ _sum: + s ]
+    y never leaves the kernel (the GEMM accumulates into r + b), s is read by no second kernel.
+
 layernorm_gelu (LN then GELU in one pass, the seed's example)::
 
     x -> layer_norm(γ, β, eps) -> gelu(erf | tanh) -> out   ==>  opfuse.layernorm_gelu(x, γ, β, eps, form)
@@ -30,14 +42,21 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from .common import check_float, check_same_shape, check_vector, first_problem, shape
+from ..cost.model import Cost, tensor_bytes, unfused_cost
+from .common import check_float, check_linear, check_same_shape, check_vector, first_problem, shape, val
 from .engine import IGNORE, Pattern
+
+aten = torch.ops.aten
 
 _EPS = 1e-5  # any value: bound from the model ("eps")
 
 
 def add_layernorm(x, r, g, b):
     return F.layer_norm(x + r, (8,), g, b, _EPS)
+
+
+def linear_add_layernorm(x, w, lb, r, g, b):
+    return F.layer_norm(F.linear(x, w, lb) + r, (8,), g, b, _EPS)
 
 
 def layernorm_gelu_erf(x, g, b):
@@ -109,6 +128,11 @@ def _example(residual: bool):
     return xs + (torch.randn(8), torch.randn(8))
 
 
+def _example_linear_add_ln():
+    return (torch.randn(2, 4, 16), torch.randn(8, 16), torch.randn(8), torch.randn(2, 4, 8), torch.randn(8),
+            torch.randn(8))
+
+
 def _check_ln(match, x: str) -> str | None:
     ns = match.literals.get("normalized_shape")
     sx = shape(match.inputs[x])
@@ -125,6 +149,45 @@ def _check_ln(match, x: str) -> str | None:
 
 def check_add_layernorm(match) -> str | None:
     return first_problem(check_same_shape(match, "x", "r"), _check_ln(match, "x"), check_float(match, "r"))
+
+
+def _linear_node(match):
+    return next(n for n in match.region if n.target is aten.linear.default)
+
+
+def check_linear_add_layernorm(match) -> str | None:
+    lin = _linear_node(match)
+    w, r = match.inputs["w"], match.inputs["r"]
+    if w.op != "get_attr":
+        return (f"check weight-is-parameter failed at {lin.name}: weight {w.name} is computed at run time, "
+                f"not a parameter")
+    problem = check_linear(match, "x", "w", "lb")
+    if problem:
+        return f"check linear failed at {lin.name}: {problem}"
+    if shape(r) != shape(lin):
+        add = next(u for u in lin.users if u in match.region)
+        return (f"check equal-shapes failed at {add.name}: residual {r.name} has shape {list(shape(r) or [])} but "
+                f"{lin.name} gives {list(shape(lin) or [])}; broadcasting residuals are not folded")
+    dtypes = {n: val(match.inputs[n]).dtype for n in ("x", "w", "r")}
+    if len(set(dtypes.values())) > 1:
+        return f"check same-dtype failed at {lin.name}: x, weight and residual dtypes differ {dtypes}"
+    return first_problem(_check_ln(match, "r"), check_float(match, "x", "w", "r"))
+
+
+def linear_add_layernorm_cost(match, device) -> Cost:
+    """Fused traffic: x, W, b, r, γ, β read once, out written once (+ the sum when emitted);
+    FLOPs as unfused (the GEMM's 2MNK dominates)."""
+    read = sum(tensor_bytes(val(match.inputs[n])) for n in ("x", "w", "lb", "r", "g", "b"))
+    written = sum(tensor_bytes(val(n)) for n in [*match.outputs, *match.emitted])
+    return Cost(unfused_cost(match.region).flops, read, written)
+
+
+def build_linear_add_layernorm(graph, inputs, literals, params):
+    args = (inputs["x"], inputs["w"], inputs["lb"], inputs["r"], inputs["g"], inputs["b"], float(literals["eps"]))
+    if params.get("emit"):
+        both = graph.call_function(torch.ops.opfuse.linear_add_layernorm_sum.default, args)
+        return [graph.call_function(operator.getitem, (both, 0)), graph.call_function(operator.getitem, (both, 1))]
+    return [graph.call_function(torch.ops.opfuse.linear_add_layernorm.default, args)]
 
 
 def check_layernorm_gelu(match) -> str | None:
@@ -152,6 +215,9 @@ _RMS = {"other": "eps", "dim": IGNORE}
 PATTERNS = [
     Pattern("add_layernorm", "post_ln", add_layernorm, lambda: _example(True), build_add_layernorm,
             check_add_layernorm, literals=_LN, emits=("add",)),
+    Pattern("linear_add_layernorm", "linear_add_ln", linear_add_layernorm, _example_linear_add_ln,
+            build_linear_add_layernorm, check_linear_add_layernorm, literals=_LN, emits=("add",),
+            fused_cost=linear_add_layernorm_cost),
     *[Pattern("layernorm_gelu", form, fn, lambda: _example(False), _build_layernorm_gelu(approx),
               check_layernorm_gelu, literals=_LN)
       for form, fn, approx in [("erf", layernorm_gelu_erf, "none"), ("tanh", layernorm_gelu_tanh, "tanh")]],

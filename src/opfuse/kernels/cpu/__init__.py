@@ -6,6 +6,7 @@ from opfuse.kernels.cpu import (  # noqa: F401  (imported for their @register si
     attention,
     ffn,
     layernorm_gelu,
+    linear_add_layernorm,
     linear_bias_gelu,
     linear_residual,
     rmsnorm,

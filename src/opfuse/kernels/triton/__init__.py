@@ -12,6 +12,7 @@ from opfuse.kernels.triton import (  # noqa: F401  (imported for their @register
     attention,
     ffn,
     layernorm_gelu,
+    linear_add_layernorm,
     linear_bias_gelu,
     linear_residual,
 )

@@ -61,7 +61,7 @@ def _split(cfg: dict) -> tuple[dict, int, int]:
 
 
 def entries(full: bool = False) -> list[Entry]:
-    from opfuse.kernels.triton import _gemm, add_layernorm, attention, layernorm_gelu
+    from opfuse.kernels.triton import _gemm, add_layernorm, attention, layernorm_gelu, linear_add_layernorm
 
     dtypes = [torch.float16, torch.bfloat16, torch.float32]
     out: list[Entry] = []
@@ -90,6 +90,12 @@ def entries(full: bool = False) -> list[Entry]:
             f"layernorm_gelu N={n} bias={int(has_bias)} {'tanh' if act == 2 else 'erf'}", _SHORT[dt],
             tuple((a, p) for a in ("X", "W", "B", "Out")), ("eps",),
             tuple(dict(HAS_BIAS=has_bias, ACT=act, **meta).items()), w, s, (("stride_x", n), ("N", n))))
+        meta, w, s = _split(linear_add_layernorm.config(n))  # ACT_NONE: linear_add_layernorm's norm pass
+        out.append(Entry(
+            "opfuse.kernels.triton.layernorm_gelu:_layernorm_gelu_fwd_kernel",
+            f"layernorm N={n} bias={int(has_bias)} (linear_add_layernorm)", _SHORT[dt],
+            tuple((a, p) for a in ("X", "W", "B", "Out")), ("eps",),
+            tuple(dict(HAS_BIAS=has_bias, ACT=0, **meta).items()), w, s, (("stride_x", n), ("N", n))))
 
     # --- GEMM epilogue: every autotune config of each dtype; epilogue flags rotate
     flag_sets = [(True, 1, False), (True, 0, True), (True, 2, False), (False, 0, True)]  # bias, act, residual

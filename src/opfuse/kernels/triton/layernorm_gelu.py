@@ -31,7 +31,7 @@ def _layernorm_gelu_fwd_kernel(
     N,
     eps,
     HAS_BIAS: tl.constexpr,
-    ACT: tl.constexpr,  # 1 erf-GELU, 2 tanh-GELU
+    ACT: tl.constexpr,  # 1 erf-GELU, 2 tanh-GELU; 0 none (plain LayerNorm: linear_add_layernorm)
     BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
