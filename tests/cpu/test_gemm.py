@@ -147,3 +147,18 @@ def test_kernel_takes_transposed_weight_without_copy():
     ref = ref_linear_bias_gelu(x.double(), w.double(), b.double(), "none")
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, F.gelu(F.linear(x, w, b)), rtol=1e-5, atol=1e-5)
+
+
+def test_every_gemm_op_equals_itself_with_the_transposed_weight():
+    """The ``wt`` layout changes strides only: each opfuse op with a GEMM inside gives the
+    same values with W and with the [N, K] view of Wᵀ."""
+    x, r = torch.randn(2, 3, 16), torch.randn(2, 3, 24)
+    w, b, g, beta = torch.randn(24, 16) * 0.3, torch.randn(24), torch.randn(24), torch.randn(24)
+    wt = w.t().contiguous().t()
+    ops = torch.ops.opfuse
+    calls = [lambda w: ops.linear_bias_gelu(x, w, b, "tanh"), lambda w: ops.linear_residual(x, w, b, r),
+             lambda w: ops.linear_add_layernorm(x, w, b, r, g, beta, 1e-5),
+             lambda w: ops.linear_add_layernorm_sum(x, w, b, r, g, beta, 1e-5)[1],
+             lambda w: ops.swiglu(x, w, 12)]
+    for call in calls:
+        torch.testing.assert_close(call(wt), call(w), rtol=1e-5, atol=1e-5)
