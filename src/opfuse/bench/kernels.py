@@ -88,6 +88,13 @@ def cases(sizes: str = "full") -> list[Case]:
             "linear_residual", f"[{m},{n}]x[{n},{n}]", lambda x=x, wo=wo, bo=bo, res=res: ops.linear_residual(x, wo, bo, res),
             lambda x=x, wo=wo, bo=bo, res=res, y=y_buf: torch.add(torch.addmm(bo, x, wo.t(), out=y), res, out=y),
             _b(x, wo, bo, res, x), 2 * m * n * n))
+        lw, lb = r(n), r(n)
+        out.append(Case(
+            "linear_add_layernorm", f"[{m},{n}]x[{n},{n}]",
+            lambda x=x, wo=wo, bo=bo, res=res, lw=lw, lb=lb: ops.linear_add_layernorm(x, wo, bo, res, lw, lb, eps),
+            lambda x=x, wo=wo, bo=bo, res=res, lw=lw, lb=lb, y=y_buf:
+                F.layer_norm(torch.add(torch.addmm(bo, x, wo.t(), out=y), res, out=y), (n,), lw, lb, eps),
+            _b(x, wo, bo, res, lw, lb, x), 2 * m * n * n))
         w2, b2 = r(n, k4) / math.sqrt(k4), r(n)
         block = max(1, min(m, (256 * 1024) // (4 * k4)))
         out.append(Case(
