@@ -267,6 +267,34 @@ def test_rope_layouts_not_swappable(d):
             assert max_err(out, reference.rope(x, cos, sin, other)) > 0.1, f"layout={mine!r} computed {other!r}"
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,s", [(8, 1), (64, 7), (128, 33)])
+def test_rope_qk(d, s, dtype, layout):
+    """q [B, H, S, D] (a transposed view) and k [B, Hkv, S, D] (GQA) with one set of tables."""
+    b, h, hkv = 2, 4, 2
+    q = randn(b, s, h, d, dtype=dtype, seed=21).transpose(1, 2)
+    k = randn(b, hkv, s, d, dtype=dtype, seed=22)
+    cos, sin = rope_tables(b, s, d, layout, dtype, offset=2)
+    oq, ok = OP.rope_qk(q, k, cos, sin, layout)
+    eq, ek = reference.rope_qk(q, k, cos, sin, layout)
+    assert_close(oq, eq, dtype)
+    assert_close(ok, ek, dtype)
+    torch.testing.assert_close(oq, OP.rope(q, cos, sin, layout), rtol=0, atol=0)  # the same kernel as rope
+    torch.testing.assert_close(ok, OP.rope(k, cos, sin, layout), rtol=0, atol=0)
+
+
+def test_rope_qk_tables_broadcast_and_promote():
+    b, s, d = 3, 5, 8
+    q, k = randn(b, 2, s, d, seed=23).bfloat16(), randn(b, 1, s, d, seed=24).bfloat16()
+    cos, sin = rope_tables(b, s, d, "interleaved")
+    oq, ok = OP.rope_qk(q, k, cos[:1, 0], sin, "interleaved")  # [S, D] cos, [B, 1, S, D] sin; float32 tables
+    assert oq.dtype == ok.dtype == torch.float32
+    eq, ek = reference.rope_qk(q, k, cos[:1, 0], sin, "interleaved")
+    assert_close(oq, eq, torch.float32)
+    assert_close(ok, ek, torch.float32)
+
+
 # --- non-contiguous inputs -------------------------------------------------------------
 
 
@@ -333,6 +361,12 @@ def _bad_calls():
         ("cos shape", lambda: OP.rope(q, randn(2, 1, 5, 8), sin, "rotate_half")),
         ("sin shape", lambda: OP.rope(q, cos, randn(1, 1, 1, 5, 8), "rotate_half")),
         ("unsupported dtype", lambda: OP.rope(q, cos.double(), sin, "rotate_half")),
+        ("k shape", lambda: OP.rope_qk(q, randn(1, 2, 4, 8), cos, sin, "rotate_half")),
+        ("k shape", lambda: OP.rope_qk(q, randn(1, 2, 5, 6), cos, sin, "interleaved")),
+        ("layout must be one of", lambda: OP.rope_qk(q, q, cos, sin, "mixed")),
+        ("k must be 4-D", lambda: OP.rope_qk(q, q[0], cos, sin, "rotate_half")),
+        ("sin shape", lambda: OP.rope_qk(q, q, cos, randn(1, 1, 4, 8), "rotate_half")),
+        ("device", lambda: lookup("rope_qk", "cpu")(q, q.to("meta"), cos, sin, "rotate_half")),
         ("device", lambda: lookup("rope", "cpu")(q.to("meta"), cos, sin, "rotate_half")),
         ("device", lambda: lookup("rmsnorm", "cpu")(x, w.to("meta"), 1e-6)),
         ("device", lambda: lookup("swiglu", "cpu")(x.to("meta"), wgu, 4)),
@@ -350,7 +384,7 @@ def test_bad_input_raises_value_error(case):
 
 
 def test_registered_for_cpu():
-    assert {(key, "cpu") for key in ("rmsnorm", "add_rmsnorm", "swiglu", "rope")} <= set(REGISTRY)
+    assert {(key, "cpu") for key in ("rmsnorm", "add_rmsnorm", "swiglu", "rope", "rope_qk")} <= set(REGISTRY)
 
 
 def test_fake_shapes_on_meta():
@@ -363,6 +397,8 @@ def test_fake_shapes_on_meta():
     assert out.shape == (2, 3, 5) and out.dtype == torch.bfloat16
     out = OP.rope(m(1, 4, 3, 8), m(1, 1, 3, 8), m(1, 1, 3, 8), "interleaved")
     assert out.shape == (1, 4, 3, 8) and out.dtype == torch.bfloat16
+    oq, ok = OP.rope_qk(m(1, 4, 3, 8), m(1, 2, 3, 8), m(1, 1, 3, 8, dtype=torch.float32), m(1, 1, 3, 8), "rotate_half")
+    assert oq.shape == (1, 4, 3, 8) and ok.shape == (1, 2, 3, 8) and oq.dtype == ok.dtype == torch.float32
 
 
 def _opcheck_cases():
@@ -378,6 +414,8 @@ def _opcheck_cases():
         (OP.swiglu, (x, gate_up_weight(4, 8, torch.float32), 4)),
         (OP.rope, (q, cos, sin, "rotate_half")),
         (OP.rope, (q.bfloat16(), cos.bfloat16(), sin.bfloat16(), "interleaved")),
+        (OP.rope_qk, (q, q[:, :1].contiguous(), cos, sin, "rotate_half")),
+        (OP.rope_qk, (q.bfloat16(), q[:, :1].half(), cos.bfloat16(), sin.bfloat16(), "interleaved")),
     ]
 
 

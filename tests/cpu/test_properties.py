@@ -188,3 +188,20 @@ def test_rope(data):
     full = torch.cat((angle, angle), -1) if layout == "rotate_half" else angle.repeat_interleave(2, -1)
     cos, sin = full.cos().to(dtype), full.sin().to(dtype)
     close(OP.rope(x, cos, sin, layout), ref.rope(x, cos, sin, layout), dtype)
+
+
+@SETTINGS
+@given(st.data())
+def test_rope_qk(data):
+    d = data.draw
+    dtype, b, hkv, group, s, half = d(DTYPES), d(SMALL), d(SMALL), d(st.sampled_from([1, 2, 4])), d(DIMS), d(SMALL)
+    layout = d(st.sampled_from(["rotate_half", "interleaved"]))
+    q = make(d, (b, s, hkv * group, 2 * half), dtype).transpose(1, 2)  # [B, H, S, D] view
+    k = make(d, (b, hkv, s, 2 * half), dtype)
+    angle = make(d, (d(st.sampled_from([1, b])), 1, s, half), torch.float64)
+    full = torch.cat((angle, angle), -1) if layout == "rotate_half" else angle.repeat_interleave(2, -1)
+    cos, sin = full.cos().to(dtype), full.sin().to(dtype)
+    oq, ok = OP.rope_qk(q, k, cos, sin, layout)
+    eq, ek = ref.rope_qk(q, k, cos, sin, layout)
+    close(oq, eq, dtype)
+    close(ok, ek, dtype)

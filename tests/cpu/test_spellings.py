@@ -177,6 +177,52 @@ def test_rope_layouts_each_get_their_own_kernel(layout):
     assert [r.variant for r in report.fused] == [layout]
 
 
+def _rotate(x, layout):
+    if layout == "rotate_half":
+        return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+class QKRope(torch.nn.Module):
+    """``layers`` attention-like blocks, each rotating q and k: with the same cos / sin and
+    layout (one region per layer), or with a different layout for k, or other tables for k."""
+
+    def __init__(self, layout, layers=2, k_layout=None, k_tables=False):
+        super().__init__()
+        self.layout, self.layers = layout, layers
+        self.k_layout, self.k_tables = k_layout or layout, k_tables
+
+    def forward(self, x, cos, sin):
+        for _ in range(self.layers):
+            q, k = (x * 2).transpose(1, 2), (x[:, :, :2] - 1).transpose(1, 2)  # [B, H, S, D], k: 2 heads
+            kc, ks = (sin, cos) if self.k_tables else (cos, sin)
+            q = q * cos + _rotate(q, self.layout) * sin
+            k = k * kc + _rotate(k, self.k_layout) * ks
+            x = (q + k.repeat_interleave(2, dim=1)).transpose(1, 2) * 0.5
+        return x
+
+
+@pytest.mark.parametrize("layout", ["rotate_half", "interleaved"])
+def test_rope_q_and_k_one_region_per_layer(layout):
+    x = torch.randn(2, 16, 4, 32)  # [B, S, H, D]
+    cos, sin = torch.randn(1, 1, 16, 32), torch.randn(1, 1, 16, 32)
+    report = optimize_and_compare(QKRope(layout, layers=3), x, cos, sin, theta=0.0)
+    assert report.counts() == {"rope": 3}
+    assert [r.variant for r in report.fused] == [f"qk_{layout}"] * 3
+    singles = [r for r in report.regions if r.variant == layout]
+    assert len(singles) == 6 and all("overlaps rope" in r.reason for r in singles)
+
+
+@pytest.mark.parametrize("k_layout,k_tables", [("interleaved", False), ("rotate_half", True)])
+def test_rope_q_and_k_not_merged_when_layouts_or_tables_differ(k_layout, k_tables):
+    x = torch.randn(2, 16, 4, 32)
+    cos, sin = torch.randn(1, 1, 16, 32), torch.randn(1, 1, 16, 32)
+    report = optimize_and_compare(QKRope("rotate_half", layers=1, k_layout=k_layout, k_tables=k_tables), x, cos, sin,
+                                  theta=0.0)
+    assert report.counts() == {"rope": 2}  # the single-tensor rows, each with its own layout
+    assert sorted(r.variant for r in report.fused) == sorted(["rotate_half", k_layout])
+
+
 @pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, float("-inf")])
 def test_where_mask_fully_masked_row_matches_eager(fill):
     """A row whose mask is all False: eager gives the mean of V (finfo.min fill) or NaN (-inf

@@ -183,6 +183,31 @@ def _cases() -> dict:
                 errs.append(close(att(q, k, v, None, sc, causal), reference.attention(q, k, v, None, sc, causal), dt))
             return max(errs)
 
+    def rope_tables(b, s, d, layout, dtype, offset=0):
+        inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        pos = torch.arange(s, dtype=torch.float64)[None, :] + offset + torch.arange(b, dtype=torch.float64)[:, None]
+        freqs = pos[..., None] * inv_freq
+        emb = torch.cat((freqs, freqs), -1) if layout == "rotate_half" else freqs.repeat_interleave(2, -1)
+        return emb.cos()[:, None].to(dtype), emb.sin()[:, None].to(dtype)
+
+    for dname in DTYPES:
+        dt = getattr(torch, dname)
+
+        @case(f"rope-{dname}")
+        def _(dt=dt):
+            errs = []
+            for layout in ("rotate_half", "interleaved"):
+                for (b, h, hkv, s, d) in [(2, 4, 2, 7, 64), (1, 3, 1, 5, 40), (1, 1, 1, 1, 2)]:
+                    q = randn(b, s, h, d, dtype=dt, seed=1).transpose(1, 2)  # [B, H, S, D] strided view
+                    k = randn(b, hkv, s, d, dtype=dt, seed=2)
+                    cos, sin = rope_tables(b, s, d, layout, dt, offset=3)
+                    errs.append(close(K("rope")(q, cos, sin, layout), reference.rope(q, cos, sin, layout), dt))
+                    errs.append(close(K("rope")(k, cos[:1], sin, layout), reference.rope(k, cos[:1], sin, layout), dt))
+                    oq, ok = K("rope_qk")(q, k, cos[:1, 0], sin, layout)  # [S, D] table broadcast over B
+                    eq, ek = reference.rope_qk(q, k, cos[:1, 0], sin, layout)
+                    errs += [close(oq, eq, dt), close(ok, ek, dt)]
+            return max(errs)
+
     @case("attention-fully-masked-matches-sdpa")
     def _():
         """-inf / False rows -> 0; finfo.min rows -> uniform average of v: both what ATen SDPA gives."""
@@ -234,7 +259,7 @@ def _cases() -> dict:
         from opfuse.kernels.registry import REGISTRY
 
         keys = {"add_layernorm", "layernorm_gelu", "linear_bias_gelu", "linear_residual", "linear_add_layernorm", "ffn",
-                "attention"}
+                "attention", "rope", "rope_qk"}
         missing = {k for k in keys if (k, "cuda") not in REGISTRY or (k, "cpu") not in REGISTRY}
         assert not missing, missing
         assert REGISTRY[("attention", "cuda")].__module__ == "opfuse.kernels.triton.attention"
@@ -244,7 +269,7 @@ def _cases() -> dict:
 
 
 CASE_NAMES = [f"{k}-{d}" for k in ("add_layernorm", "layernorm_gelu", "linear_bias_gelu", "linear_residual",
-                                   "linear_add_layernorm", "ffn", "attention") for d in DTYPES] + [
+                                   "linear_add_layernorm", "ffn", "attention", "rope") for d in DTYPES] + [
     "attention-fully-masked-matches-sdpa", "layernorm-shifted-statistics-mean-1e4", "gelu-forms-not-swapped",
     "registry-has-cuda-kernels"]
 

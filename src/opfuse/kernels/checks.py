@@ -22,6 +22,7 @@ DeviceType = str | tuple[str, ...]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 APPROXIMATE = ("none", "tanh")  # GELU forms: erf ("none") and tanh
+ROPE_LAYOUTS = ("rotate_half", "interleaved")  # RoPE pairings: (j, j + D/2) and (2i, 2i + 1)
 
 
 # --- generic checks ---------------------------------------------------------------------
@@ -280,3 +281,49 @@ def check_attention_mask(
         raise ValueError(f"opfuse.{op}: mask shape {tuple(mask.shape)} not broadcastable to {scores}")
     if is_causal:
         raise ValueError(f"opfuse.{op}: mask and is_causal=True are mutually exclusive (as in SDPA)")
+
+
+def check_rope_input(op: str, name: str, x: object, layout: str, *, device_type: DeviceType) -> tuple[int, int, int]:
+    """x [B, H, S, D] with D even, layout one of ROPE_LAYOUTS; returns (B, S, D)."""
+    check_tensor(op, name, x, device_type=device_type)
+    if x.dim() != 4:
+        raise ValueError(f"opfuse.{op}: {name} must be 4-D [B, H, S, D], got shape {tuple(x.shape)}")
+    if layout not in ROPE_LAYOUTS:
+        raise ValueError(f"opfuse.{op}: layout must be one of {ROPE_LAYOUTS}, got {layout!r}")
+    b, _, s, d = x.shape
+    if d % 2 != 0:
+        raise ValueError(f"opfuse.{op}: head dim D must be even to rotate pairs, got D = {d}")
+    return b, s, d
+
+
+def check_rope_table(
+    op: str, name: str, t: object, b: int, s: int, d: int, *, device_type: DeviceType
+) -> tuple[int, int, int, int]:
+    """cos / sin broadcastable to [B, 1, S, D]; returns its shape padded to 4 dims."""
+    check_tensor(op, name, t, device_type=device_type)
+    target = (b, 1, s, d)
+    shape = (1,) * (4 - t.dim()) + tuple(t.shape) if t.dim() <= 4 else tuple(t.shape)
+    if len(shape) != 4 or any(n not in (1, want) for n, want in zip(shape, target)):
+        raise ValueError(f"opfuse.{op}: {name} shape {tuple(t.shape)} is not broadcastable to [B, 1, S, D] = {target}")
+    return shape
+
+
+def check_rope_qk(
+    q: torch.Tensor,  # [B, H, S, D]
+    k: torch.Tensor,  # [B, Hkv, S, D]
+    cos: torch.Tensor,  # broadcastable to [B, 1, S, D]
+    sin: torch.Tensor,  # broadcastable to [B, 1, S, D]
+    layout: str,
+    *,
+    device_type: DeviceType,
+) -> tuple[tuple[int, int, int], tuple[int, ...], tuple[int, ...]]:
+    """q and k rotated with the same tables; returns ((B, S, D), cos shape, sin shape) (4-D)."""
+    op = "rope_qk"
+    bsd = check_rope_input(op, "q", q, layout, device_type=device_type)
+    if check_rope_input(op, "k", k, layout, device_type=device_type) != bsd:
+        raise ValueError(f"opfuse.{op}: k shape {tuple(k.shape)} incompatible with q shape {tuple(q.shape)} "
+                         "(same B, S, D needed: one cos / sin table)")
+    if k.device != q.device:
+        raise ValueError(f"opfuse.{op}: k is on {k.device}, q on {q.device}")
+    return (bsd, check_rope_table(op, "cos", cos, *bsd, device_type=device_type),
+            check_rope_table(op, "sin", sin, *bsd, device_type=device_type))

@@ -17,6 +17,7 @@ op and imports the CPU kernels (which register themselves).
     opfuse::add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)
     opfuse::swiglu(Tensor x, Tensor w_gate_up, int hidden) -> Tensor
     opfuse::rope(Tensor x, Tensor cos, Tensor sin, str layout) -> Tensor
+    opfuse::rope_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, str layout) -> (Tensor, Tensor)
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ SCHEMAS: dict[str, str] = {
     "add_rmsnorm": "(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
     "swiglu": "(Tensor x, Tensor w_gate_up, int hidden) -> Tensor",
     "rope": "(Tensor x, Tensor cos, Tensor sin, str layout) -> Tensor",
+    "rope_qk": "(Tensor q, Tensor k, Tensor cos, Tensor sin, str layout) -> (Tensor, Tensor)",
 }
 
 
@@ -239,6 +241,18 @@ def _(x, cos, sin, layout):
     return x.new_empty(x.shape, dtype=dtype)
 
 
+@_op("rope_qk")
+def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, layout: str) -> tuple[Tensor, Tensor]:
+    return lookup("rope_qk", q.device.type)(q, k, cos, sin, layout)
+
+
+@rope_qk.register_fake
+def _(q, k, cos, sin, layout):
+    table = torch.promote_types(cos.dtype, sin.dtype)
+    return (q.new_empty(q.shape, dtype=torch.promote_types(q.dtype, table)),
+            k.new_empty(k.shape, dtype=torch.promote_types(k.dtype, table)))
+
+
 # --- warm-up ---------------------------------------------------------------------------
 
 
@@ -269,3 +283,4 @@ def warm_up() -> None:
     for layout in ("rotate_half", "interleaved"):  # contiguous and transposed (strided) x
         lookup("rope", "cpu")(q, r(1, 1, 2, 8), r(1, 1, 2, 8), layout)
         lookup("rope", "cpu")(q.transpose(1, 2), r(1, 1, 3, 8), r(1, 1, 3, 8), layout)
+        lookup("rope_qk", "cpu")(q.transpose(1, 2), q.transpose(1, 2)[:, :1], r(1, 1, 3, 8), r(1, 1, 3, 8), layout)

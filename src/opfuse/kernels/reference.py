@@ -149,3 +149,8 @@ def rope(x, cos, sin, layout: str) -> torch.Tensor:
     if layout not in rotations:
         raise ValueError(f"layout must be one of {tuple(rotations)}, got {layout!r}")
     return x * _d(cos) + rotations[layout](x) * _d(sin)
+
+
+def rope_qk(q, k, cos, sin, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rope(q), rope(k)) with the same tables, the order of the op's outputs."""
+    return rope(q, cos, sin, layout), rope(k, cos, sin, layout)

@@ -290,11 +290,14 @@ def find_matches(graph: fx.Graph, patterns: list[Pattern], min_depth: int = 3
         pgraph = pattern_graph(pattern)
         roots = _outputs(pgraph)
         matcher = _Matcher(pattern)
+        later_roots: set[fx.Node] = set()  # non-first roots of this row's matches: not anchors again
         for anchor in by_target.get(op_class(roots[0].target), []):
+            if anchor in later_roots:
+                continue
             state = _State()
             try:
                 matcher.match_node(roots[0], anchor, state, 0)
-                outs = [anchor] + _match_more_roots(matcher, roots[1:], state, by_target, order, anchor)
+                outs = [anchor] + _match_more_roots(matcher, roots[1:], state, order, anchor)
             except _Fail as fail:
                 if fail.depth >= min_depth:
                     key = (pattern.name, anchor)
@@ -312,22 +315,54 @@ def find_matches(graph: fx.Graph, patterns: list[Pattern], min_depth: int = 3
                 misses[key] = (10**6, NearMiss(pattern.name, pattern.variant, problem[0], problem[1]))
                 continue
             matched_anchors.add((pattern.name, anchor))
+            later_roots.update(outs[1:])
             matches.append(match)
     near = [nm for key, (_, nm) in misses.items() if key not in matched_anchors]
     return matches, near
 
 
-def _match_more_roots(matcher: _Matcher, roots: list[fx.Node], state: _State, by_target,
+def _distances_to(root: fx.Node) -> dict[str, int]:
+    """Placeholder name -> fewest edges from that placeholder down to ``root`` in the
+    pattern graph (placeholders that do not reach ``root`` are absent)."""
+    dist: dict[fx.Node, int] = {root: 0}
+    frontier = [root]
+    while frontier:
+        nxt = []
+        for n in frontier:
+            for i in n.all_input_nodes:
+                if i not in dist:
+                    dist[i] = dist[n] + 1
+                    nxt.append(i)
+        frontier = nxt
+    return {n.name: d for n, d in dist.items() if n.op == "placeholder"}
+
+
+def _downstream(start: fx.Node, depth: int) -> set[fx.Node]:
+    """Graph nodes reachable from ``start`` through at most ``depth`` user edges."""
+    seen: set[fx.Node] = set()
+    frontier = {start}
+    for _ in range(depth):
+        frontier = {u for n in frontier for u in n.users} - seen
+        seen |= frontier
+    return seen
+
+
+def _match_more_roots(matcher: _Matcher, roots: list[fx.Node], state: _State,
                       order: dict, first: fx.Node) -> list[fx.Node]:
-    """Match the remaining roots of a multi-root pattern (e.g. Q, K and V projections
-    sharing one input). Candidates are users of nodes already bound to inputs, in graph
-    order after the previous root (so symmetric roots are found once, not per permutation)."""
+    """Match the remaining roots of a multi-root pattern (Q, K and V projections sharing
+    one input; q and k rotated with the same cos / sin). Candidates are the graph nodes
+    that the inputs already bound reach in as many steps as the pattern takes from those
+    inputs to the root (direct users for QKV; cos -> mul -> add for RoPE), in graph order
+    after the previous root (so symmetric roots are found once, not per permutation)."""
     outs: list[fx.Node] = []
     prev = first
     for root in roots:
-        bound = [v for v in state.inputs.values() if isinstance(v, fx.Node)]
-        cands = sorted({u for b in bound for u in b.users
-                        if u.op == "call_function" and op_class(u.target) == op_class(root.target)
+        dist = _distances_to(root)
+        near = set()
+        for name, node in state.inputs.items():
+            if isinstance(node, fx.Node) and name in dist:
+                near |= _downstream(node, dist[name])
+        cands = sorted({u for u in near if u.op == "call_function" and op_class(u.target) == op_class(root.target)
                         and order[u] > order[prev] and u not in state.used}, key=order.__getitem__)
         found = None
         last: _Fail | None = None

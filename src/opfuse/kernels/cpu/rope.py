@@ -23,6 +23,10 @@ when their first dim is 1. Result: contiguous [B, H, S, D] of promote(x, cos, si
 
 Traffic (float32): read BHSD + 2 Bc SD (tables cache-resident across heads), write BHSD.
 Eager: 2 slices, neg, cat, 2 muls, add = ~7 passes over BHSD.
+
+rope_qk rotates q [B, H, S, D] and k [B, Hkv, S, D] with the same tables in one op call:
+cos / sin are checked and staged to float32 once, then the same kernel runs over q and k
+(read BHSD + BHkvSD + 2 Bc SD, write BHSD + BHkvSD).
 """
 
 from __future__ import annotations
@@ -30,11 +34,11 @@ from __future__ import annotations
 import torch
 from numba import njit, prange
 
+from opfuse.kernels.checks import ROPE_LAYOUTS as LAYOUTS  # noqa: F401  (re-exported)
+from opfuse.kernels.checks import check_rope_input, check_rope_qk, check_rope_table
 from opfuse.kernels.cpu import _math
-from opfuse.kernels.cpu._launch import check_tensor, f32, launch
+from opfuse.kernels.cpu._launch import f32, launch
 from opfuse.kernels.registry import register
-
-LAYOUTS = ("rotate_half", "interleaved")
 
 
 @njit(fastmath=_math._APPLY, error_model="numpy", cache=True)
@@ -73,35 +77,42 @@ def _rope_kernel(x, cos, sin, out, interleaved):
                 _row_rotate_half(x[b, h, t], cos[bc, t], sin[bs, t], out[b, h, t])
 
 
-def _table(op: str, name: str, t: torch.Tensor, b: int, s: int, d: int) -> torch.Tensor:
-    """cos / sin broadcastable to [B, 1, S, D] -> float32 [Bc, S, D], Bc in {1, B}."""
-    check_tensor(op, name, t)
-    target = (b, 1, s, d)
-    shape = (1,) * (4 - t.dim()) + tuple(t.shape) if t.dim() <= 4 else tuple(t.shape)
-    if len(shape) != 4 or any(n not in (1, want) for n, want in zip(shape, target)):
-        raise ValueError(f"opfuse.{op}: {name} shape {tuple(t.shape)} is not broadcastable to [B, 1, S, D] = {target}")
+def _table(t: torch.Tensor, shape: tuple[int, ...], s: int, d: int) -> torch.Tensor:
+    """cos / sin of (checked) 4-D ``shape`` [Bt, 1, S|1, D|1] -> float32 [Bt, S, D]."""
     bt = shape[0]
     return f32(t.reshape(shape).expand(bt, 1, s, d)).reshape(bt, s, d)
+
+
+def _rotate(x: torch.Tensor, cos3: torch.Tensor, sin3: torch.Tensor, layout: str, out_dtype: torch.dtype):
+    """x [B, H, S, D] (checked) rotated with float32 tables [Bc, S, D] -> [B, H, S, D] of out_dtype."""
+    xf = x.detach().to(torch.float32)  # keeps x's strides (a transposed view stays one)
+    if xf.stride(-1) != 1:
+        xf = xf.contiguous()
+    out = torch.empty(tuple(x.shape), dtype=torch.float32)  # [B, H, S, D]
+    launch(_rope_kernel, out.numel())(xf.numpy(), cos3.numpy(), sin3.numpy(), out.numpy(), layout == "interleaved")
+    return out.to(out_dtype)
+
+
+def _out_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
 
 
 @register("rope", "cpu")
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
     """x * cos + R(x) * sin; x [B, H, S, D], cos / sin broadcastable to [B, 1, S, D]."""
     op = "rope"
-    check_tensor(op, "x", x)
-    if x.dim() != 4:
-        raise ValueError(f"opfuse.{op}: x must be 4-D [B, H, S, D], got shape {tuple(x.shape)}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"opfuse.{op}: layout must be one of {LAYOUTS}, got {layout!r}")
-    b, _, s, d = x.shape
-    if d % 2 != 0:
-        raise ValueError(f"opfuse.{op}: head dim D must be even to rotate pairs, got D = {d}")
-    cos3 = _table(op, "cos", cos, b, s, d)  # [Bc, S, D]
-    sin3 = _table(op, "sin", sin, b, s, d)  # [Bs, S, D]
+    b, s, d = check_rope_input(op, "x", x, layout, device_type="cpu")
+    cos3 = _table(cos, check_rope_table(op, "cos", cos, b, s, d, device_type="cpu"), s, d)  # [Bc, S, D]
+    sin3 = _table(sin, check_rope_table(op, "sin", sin, b, s, d, device_type="cpu"), s, d)  # [Bs, S, D]
+    return _rotate(x, cos3, sin3, layout, _out_dtype(x, cos, sin))
 
-    xf = x.detach().to(torch.float32)  # keeps x's strides (a transposed view stays one)
-    if xf.stride(-1) != 1:
-        xf = xf.contiguous()
-    out = torch.empty(tuple(x.shape), dtype=torch.float32)  # [B, H, S, D]
-    launch(_rope_kernel, out.numel())(xf.numpy(), cos3.numpy(), sin3.numpy(), out.numpy(), layout == "interleaved")
-    return out.to(torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype))
+
+@register("rope_qk", "cpu")
+def rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rope(q), rope(k)) with the same tables; q [B, H, S, D], k [B, Hkv, S, D]."""
+    (b, s, d), cos_shape, sin_shape = check_rope_qk(q, k, cos, sin, layout, device_type="cpu")
+    cos3, sin3 = _table(cos, cos_shape, s, d), _table(sin, sin_shape, s, d)  # staged once: [Bc, S, D]
+    return (_rotate(q, cos3, sin3, layout, _out_dtype(q, cos, sin)),  # read BHSD, write BHSD
+            _rotate(k, cos3, sin3, layout, _out_dtype(k, cos, sin)))  # read BHkvSD, write BHkvSD

@@ -15,4 +15,5 @@ from opfuse.kernels.triton import (  # noqa: F401  (imported for their @register
     linear_add_layernorm,
     linear_bias_gelu,
     linear_residual,
+    rope,
 )

@@ -61,7 +61,7 @@ def _split(cfg: dict) -> tuple[dict, int, int]:
 
 
 def entries(full: bool = False) -> list[Entry]:
-    from opfuse.kernels.triton import _gemm, add_layernorm, attention, layernorm_gelu, linear_add_layernorm
+    from opfuse.kernels.triton import _gemm, add_layernorm, attention, layernorm_gelu, linear_add_layernorm, rope
 
     dtypes = [torch.float16, torch.bfloat16, torch.float32]
     out: list[Entry] = []
@@ -96,6 +96,21 @@ def entries(full: bool = False) -> list[Entry]:
             f"layernorm N={n} bias={int(has_bias)} (linear_add_layernorm)", _SHORT[dt],
             tuple((a, p) for a in ("X", "W", "B", "Out")), ("eps",),
             tuple(dict(HAS_BIAS=has_bias, ACT=0, **meta).items()), w, s, (("stride_x", n), ("N", n))))
+
+    # --- rope: one config per head dim; both layouts
+    rope_cases = ([(dt, d, il) for dt in dtypes for d in (64, 80, 128, 256) for il in (False, True)] if full
+                  else [(torch.float16, 64, False), (torch.bfloat16, 128, True), (torch.float32, 128, False),
+                        (torch.bfloat16, 80, False)])
+    for dt, d, interleaved in rope_cases:
+        p = _PTR[dt]
+        meta, w, s = _split(rope.config(d))
+        out.append(Entry(
+            "opfuse.kernels.triton.rope:_rope_fwd_kernel",
+            f"rope D={d} {'interleaved' if interleaved else 'rotate_half'}", _SHORT[dt],
+            (("X", p), ("C", p), ("Sn", p), ("Out", p)), (),
+            tuple(dict(INTERLEAVED=interleaved, **meta).items()), w, s,
+            (("H", 32), ("S", 509), ("D", d), ("sxb", 509 * 32 * d), ("sxh", d), ("sxs", 32 * d), ("scb", 0),
+             ("scs", d), ("ssb", 0), ("sss", d))))
 
     # --- GEMM epilogue: every autotune config of each dtype; epilogue flags rotate
     flag_sets = [(True, 1, False), (True, 0, True), (True, 2, False), (False, 0, True)]  # bias, act, residual
