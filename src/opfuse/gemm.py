@@ -149,6 +149,7 @@ class GemmChoice:
     times_s: dict
     reason: str
     extra_bytes: int = 0  # weight copies this choice keeps (bytes)
+    pattern: str = ""     # the fused region's pattern when the GEMM is inside one
 
 
 def _cpu_model() -> str:
@@ -320,7 +321,8 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None) -> list[Gemm
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
         choices.append(GemmChoice(node.name, site.kind, m, k, n, name,
-                                  {kk: round(v, 9) for kk, v in times.items()}, reason, extra))
+                                  {kk: round(v, 9) for kk, v in times.items()}, reason, extra,
+                                  node.meta.get("opfuse_pattern", "")))
     if len(cache) != size_before:
         _save_cache(cache)
     if choices:

@@ -8,6 +8,10 @@ then measure it.
     S_i        Σ unfused time / Σ fused time of pattern i's regions, each timed in isolation
                on the recorded inputs (``verify.record_values``): the region's unfused
                ATen nodes vs the fused op (the graph ``verify.run_region`` builds)
+    GEMMs      the GEMM backend choice (``opfuse.gemm``, times from its optimize-time
+               measurement): a GEMM inside a fused region lowers that pattern's fused time
+               by (aten − chosen); GEMMs outside regions form one more row, p = their aten
+               time / the unfused graph's median time, S = Σ aten / Σ chosen
     S_overall  1 / ((1 − Σ p_i) + Σ p_i / S_i)        (predicted)
     measured   unfused captured graph / fused graph, and eager / opfuse, interleaved medians
 
@@ -106,16 +110,6 @@ def amdahl(model, args, fused_module=None, theta: float = 0.3, repeat: int = 10,
             row["roofline_fused_s"] += c.time_fused
             row["ops"] |= {"aten::" + str(n.target).replace("aten.", "").split(".")[0] for n in c.match.region
                            if n.op == "call_function"}
-    patterns = []
-    for name, row in sorted(per.items(), key=lambda kv: -kv[1]["p"]):
-        s = row["t_unfused_s"] / row["t_fused_s"] if row["t_fused_s"] else 1.0
-        s_roof = row["roofline_unfused_s"] / row["roofline_fused_s"] if row["roofline_fused_s"] else 1.0
-        patterns.append({"pattern": name, "regions": row["regions"], "p": row["p"], "s_fused": s,
-                         "s_roofline": s_roof, "t_unfused_ms": 1e3 * row["t_unfused_s"],
-                         "t_fused_ms": 1e3 * row["t_fused_s"], "aten_ops": sorted(row["ops"])})
-    p_all = sum(r["p"] for r in patterns)
-    predicted = 1.0 / ((1.0 - p_all) + sum(r["p"] / r["s_fused"] for r in patterns)) if patterns else 1.0
-    predicted_roof = 1.0 / ((1.0 - p_all) + sum(r["p"] / r["s_roofline"] for r in patterns)) if patterns else 1.0
     log("measuring the whole model")
     fns = {"unfused graph": lambda: gm(*args), "eager": lambda: model(*args)}
     if fused_module is None:
@@ -125,6 +119,33 @@ def amdahl(model, args, fused_module=None, theta: float = 0.3, repeat: int = 10,
     with torch.inference_mode():
         t = interleaved(fns, repeat=repeat)
     measured = t["unfused graph"]["median_s"] / t["opfuse"]["median_s"]
+    outside = []
+    for g in (fused_module.report.gemm if fused_module.report else []):
+        if not g["times_s"]:
+            continue
+        if g["pattern"] in per:  # inside a fused region: that region runs the chosen backend
+            row = per[g["pattern"]]
+            saved = g["times_s"]["aten"] - g["times_s"][g["backend"]]
+            row["t_fused_s"] = max(row["t_fused_s"] - saved, 0.25 * row["t_fused_s"])  # two measurements: clamp
+        elif not g["pattern"]:
+            outside.append(g)
+    patterns = []
+    for name, row in sorted(per.items(), key=lambda kv: -kv[1]["p"]):
+        s = row["t_unfused_s"] / row["t_fused_s"] if row["t_fused_s"] else 1.0
+        s_roof = row["roofline_unfused_s"] / row["roofline_fused_s"] if row["roofline_fused_s"] else 1.0
+        patterns.append({"pattern": name, "regions": row["regions"], "p": row["p"], "s_fused": s,
+                         "s_roofline": s_roof, "t_unfused_ms": 1e3 * row["t_unfused_s"],
+                         "t_fused_ms": 1e3 * row["t_fused_s"], "aten_ops": sorted(row["ops"])})
+    if outside:
+        t_aten = sum(g["times_s"]["aten"] for g in outside)
+        t_chosen = sum(g["times_s"][g["backend"]] for g in outside)
+        patterns.append({"pattern": "GEMMs outside regions", "regions": len(outside),
+                         "p": min(1.0, t_aten / t["unfused graph"]["median_s"]), "s_fused": t_aten / t_chosen,
+                         "s_roofline": 1.0, "t_unfused_ms": 1e3 * t_aten, "t_fused_ms": 1e3 * t_chosen,
+                         "aten_ops": sorted({f"{g['op']}→{g['backend']}" for g in outside})})
+    p_all = sum(r["p"] for r in patterns)
+    predicted = 1.0 / ((1.0 - p_all) + sum(r["p"] / r["s_fused"] for r in patterns)) if patterns else 1.0
+    predicted_roof = 1.0 / ((1.0 - p_all) + sum(r["p"] / r["s_roofline"] for r in patterns)) if patterns else 1.0
     breakdown = op_breakdown(gm, times)
     return {
         "patterns": patterns, "p_total": p_all, "predicted": predicted, "predicted_roofline": predicted_roof,
