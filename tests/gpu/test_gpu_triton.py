@@ -72,6 +72,41 @@ def test_gemm_epilogues(op, m, k, n, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", [(1, 7, 5), (129, 768, 768), (1000, 3072, 768), (77, 100, 33)])
+def test_linear_add_layernorm(op, m, k, n, dtype):
+    from opfuse.kernels import reference
+
+    x, res = randn(m, k, dtype=dtype, seed=1), randn(m, n, dtype=dtype, seed=2)
+    w, b = randn(n, k, dtype=dtype, seed=3, scale=1 / math.sqrt(k)), randn(n, dtype=dtype, seed=4)
+    g, beta = randn(n, dtype=dtype, seed=5, scale=0.5, offset=1.0), randn(n, dtype=dtype, seed=6)
+    exp, exp_s = reference.linear_add_layernorm(x, w, b, res, g, beta, 1e-5, True)
+    out, s = op.linear_add_layernorm_sum(x, w, b, res, g, beta, 1e-5)
+    scale = 1.0 if dtype == torch.float32 else 3.0  # the sum rounds to the I/O dtype before the statistics
+    close(out, exp, dtype, scale)
+    close(s, exp_s, dtype, 2.0)
+    close(op.linear_add_layernorm(x, w, None, res, g, None, 1e-5),
+          reference.linear_add_layernorm(x, w, None, res, g, None, 1e-5, False)[0], dtype, scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["rotate_half", "interleaved"])
+@pytest.mark.parametrize("b,h,hkv,s,d", [(1, 32, 8, 257, 128), (2, 12, 12, 77, 64), (1, 2, 1, 1, 80)])
+def test_rope_qk(op, b, h, hkv, s, d, layout, dtype):
+    from opfuse.kernels import reference
+
+    q = randn(b, s, h, d, dtype=dtype, seed=1).transpose(1, 2)  # [B, H, S, D] view, as the projection writes it
+    k = randn(b, hkv, s, d, dtype=dtype, seed=2)
+    angle = randn(1, 1, s, d // 2, seed=3) * 3
+    full = torch.cat((angle, angle), -1) if layout == "rotate_half" else angle.repeat_interleave(2, -1)
+    cos, sin = full.cos().to(dtype), full.sin().to(dtype)
+    oq, ok = op.rope_qk(q, k, cos, sin, layout)
+    eq, ek = reference.rope_qk(q, k, cos, sin, layout)
+    close(oq, eq, dtype)
+    close(ok, ek, dtype)
+    close(op.rope(q, cos, sin, layout), eq, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "b,h,hkv,sq,sk,d,mask,causal",
     [(2, 12, 12, 128, 128, 64, "bool", False), (2, 8, 2, 77, 77, 128, None, True), (1, 4, 4, 1, 300, 32, "add", False),
