@@ -162,3 +162,15 @@ def test_every_gemm_op_equals_itself_with_the_transposed_weight():
              lambda w: ops.swiglu(x, w, 12)]
     for call in calls:
         torch.testing.assert_close(call(wt), call(w), rtol=1e-5, atol=1e-5)
+
+
+def test_a_backend_that_raises_is_not_chosen():
+    site = gemm.sites()[torch.ops.aten.linear.default]
+
+    def refuses(x, w, b, a):
+        raise RuntimeError("could not create a primitive descriptor")
+    times = gemm.measure(site, [torch.randn(8, 16), torch.randn(4, 16), None],
+                         [gemm.BACKENDS[0], gemm.GemmBackend("refuses", lambda: True, replace={"linear": refuses})])
+    assert times["refuses"] == float("inf")
+    # a [1, N] broadcast bias is a valid F.linear bias but not a oneDNN one
+    assert not gemm.BACKENDS[2].usable("linear", [torch.randn(2, 16), torch.randn(4, 16), torch.randn(1, 4)])

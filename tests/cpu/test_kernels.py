@@ -404,14 +404,22 @@ def test_opcheck(case):
     torch.library.opcheck(op, args)
 
 
-def test_parameters_requiring_grad_are_accepted():
+def test_parameters_requiring_grad_are_accepted_without_grad_mode():
+    """Under no_grad (how FusedModule runs) parameters are fine; with grad mode on the ops
+    refuse with an error naming the op (they have no backward: never a silently wrong gradient)."""
     x, r = randn(3, 8), randn(3, 8)
     w, b = (torch.nn.Parameter(t) for t in ln_params(8, torch.float32))
     with torch.no_grad():
         out = OP.add_layernorm(x, r, w, b, 1e-5)
     assert_close(out, reference.add_layernorm(x, r, w, b, 1e-5, False)[0], torch.float32)
     lw, lb = (torch.nn.Parameter(t) for t in linear_params(4, 8, torch.float32))
-    assert_close(OP.linear_bias_gelu(x, lw, lb, "tanh").detach(), reference.linear_bias_gelu(x, lw, lb, "tanh"), torch.float32)
+    with torch.no_grad():
+        got = OP.linear_bias_gelu(x, lw, lb, "tanh")
+    assert_close(got, reference.linear_bias_gelu(x, lw, lb, "tanh"), torch.float32)
+    with pytest.raises(RuntimeError, match="opfuse::linear_bias_gelu is inference-only"):
+        OP.linear_bias_gelu(x, lw, lb, "tanh")
+    assert_close(OP.linear_bias_gelu(x, lw.detach(), lb.detach(), "tanh"),  # grad mode on, nothing requires grad
+                 reference.linear_bias_gelu(x, lw, lb, "tanh"), torch.float32)
 
 
 def test_warm_up_runs():

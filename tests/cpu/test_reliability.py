@@ -335,10 +335,13 @@ def test_peak_memory_not_above_eager():
         libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
         torch.set_num_threads(threads)
     assert ours <= eager, (ours, eager)  # activations: the S×S scores are never materialised
-    # the only weights the fused module owns are the concatenated QKV weights, once for all plans
+    # the only weights the fused module owns are the concatenated QKV weights, once for all
+    # plans, and the pre-transposed GEMM weights the report lists (opfuse.gemm "wt")
     model_ptrs = {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
-    extra = {t.data_ptr(): t.numel() * t.element_size() for p in fused._plans.values()
-             for t in (*p.gm.parameters(), *p.gm.buffers()) if t.data_ptr() not in model_ptrs}
+    extra = {t.data_ptr(): (n, t.numel() * t.element_size()) for p in fused._plans.values()
+             for n, t in (*p.gm.named_parameters(), *p.gm.named_buffers()) if t.data_ptr() not in model_ptrs}
     qkv = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
               if any(k in n for k in ("query.", "key.", "value.")))
-    assert sum(extra.values()) == qkv
+    wt = {n: b for n, b in extra.values() if n.startswith("opfuse_folded_wt_")}
+    assert sum(b for n, b in extra.values() if n not in wt) == qkv
+    assert sum(wt.values()) <= sum(g["extra_bytes"] for p in fused._plans.values() for g in p.report.gemm)

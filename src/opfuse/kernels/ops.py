@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from opfuse.kernels import cpu as _cpu  # noqa: F401  (registers the CPU kernels)
+from opfuse.kernels._library import LibraryOp
 from opfuse.kernels.registry import lookup
 
 
@@ -66,7 +67,9 @@ SCHEMAS: dict[str, str] = {
 
 
 def _op(name: str):
-    return torch.library.custom_op(f"opfuse::{name}", mutates_args=(), schema=SCHEMAS[name])
+    """Define ``opfuse::name`` (a ``torch.library.Library`` op, not ``custom_op``: ~40 µs less
+    per call; see :mod:`opfuse.kernels._library`)."""
+    return LibraryOp.define(name, SCHEMAS[name])
 
 
 # --- add_layernorm / add_layernorm_sum ------------------------------------------------

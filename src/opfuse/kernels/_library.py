@@ -1,0 +1,69 @@
+"""Defining ``torch.ops.opfuse.*`` with ``torch.library.Library`` (one Python kernel under
+``CompositeExplicitAutograd``) instead of ``torch.library.custom_op``.
+
+Why: measured on this project's CPU machines, ``custom_op``'s Python wrapper costs ~40 µs
+per call more than a plain ``Library.impl`` kernel (add_layernorm on [128, 384] float32,
+no_grad: 215 µs vs 174 µs), which is most of the gain of a fused norm on small inputs
+(the MiniLM demo makes ~30 fused calls per forward).
+
+What custom_op gave and this keeps:
+* schema and ``torch.ops.opfuse.<name>.default`` overloads (FX graphs call those);
+* fake (meta) implementations via :func:`torch.library.register_fake`, so torch.export,
+  FakeTensor propagation and ``torch.compile`` trace the ops;
+* no silent wrong gradients: opfuse ops are inference-only, and a call that autograd
+  would have to differentiate (grad mode on and a tensor input that requires grad) raises
+  :class:`RuntimeError` naming the op, instead of the autograd fallback's warning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+LIB = torch.library.Library("opfuse", "DEF")  # noqa: TOR901  (ops live as long as the process)
+
+
+def _needs_grad(args) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            return True
+    return False
+
+
+class LibraryOp:
+    """``@LibraryOp.define(name, schema)`` on a Python function: defines ``opfuse::name``,
+    registers the function as its kernel for every backend, and offers ``register_fake``
+    like a ``custom_op`` does. Calling the object calls the op."""
+
+    def __init__(self, name: str, schema: str, fn: Callable):
+        self.name = name
+        self._fn = fn
+        LIB.define(f"{name}{schema}")
+
+        def kernel(*args):
+            if _needs_grad(args):
+                raise RuntimeError(f"opfuse::{name} is inference-only (no backward): called with grad mode on "
+                                   "and an input that requires grad; use torch.no_grad() or the unfused model")
+            return fn(*args)
+
+        LIB.impl(name, kernel, "CompositeExplicitAutograd")
+        self.__doc__ = fn.__doc__
+        self.__wrapped__ = fn
+
+    @classmethod
+    def define(cls, name: str, schema: str) -> Callable[[Callable], LibraryOp]:
+        return lambda fn: cls(name, schema, fn)
+
+    @property
+    def default(self):
+        return getattr(torch.ops.opfuse, self.name).default
+
+    def register_fake(self, fake: Callable) -> Callable:
+        torch.library.register_fake(f"opfuse::{self.name}", fake, lib=LIB)
+        return fake
+
+    def __call__(self, *args):
+        return self.default(*args)
