@@ -17,7 +17,7 @@ from .graph.blocks import first_block, op_sequence
 from .graph.canonicalize import canonicalize
 from .graph.capture import capture
 from .gemm import apply_gemm_choices
-from .graph.meta import tensor_values
+from .graph.meta import nbytes, tensor_values
 from .patterns import LIBRARY, SPELLINGS, Pattern, find_matches
 from .report.data import FusionReport, RegionRecord
 from .report.graph import graph_summary
@@ -57,6 +57,9 @@ def cost(cands: list[Candidate], device: DeviceProfile) -> None:
             else fused_cost(region, outs)
         if c.match.pattern.retarget:
             c.fused = c.unfused
+        if c.match.pattern.decide_by == "epilogue":  # the GEMM's x and W: read once, fused or not
+            c.shared_bytes = sum(nbytes(n.args[i].meta.get("val")) for n in region
+                                 if n.target is torch.ops.aten.linear.default for i in (0, 1))
         estimate(c, device, [node_cost(n) for n in region if not is_view(n)])
 
 

@@ -174,3 +174,15 @@ def test_a_backend_that_raises_is_not_chosen():
     assert times["refuses"] == float("inf")
     # a [1, N] broadcast bias is a valid F.linear bias but not a oneDNN one
     assert not gemm.BACKENDS[2].usable("linear", [torch.randn(2, 16), torch.randn(4, 16), torch.randn(1, 4)])
+
+
+@pytest.mark.parametrize("mode", ["wt", "onednn"])
+def test_op_sequence_after_is_the_same_whatever_the_gemm_backend(mode):
+    """The report's "one block after" line names fused regions by pattern whether their GEMM
+    runs through aten.linear or a oneDNN call."""
+    from opfuse.models import load
+    loaded = load("bert-tiny", batch=2, seq=16)
+    base = opfuse.optimize(loaded.model, loaded.args, gemm="aten").report
+    other = opfuse.optimize(loaded.model, loaded.args, gemm=mode).report
+    assert "[qkv_merge]" in base.ops_after
+    assert other.ops_after == base.ops_after

@@ -194,7 +194,9 @@ def test_linear_add_layernorm_not_with_runtime_weight():
     (region,) = [r for r in report.regions if r.pattern == "linear_add_layernorm"]
     assert region.decision == "rejected"
     assert "weight-is-parameter" in region.reason and "linear" in region.reason and "mul" in region.reason
-    assert report.counts().get("add_layernorm") == 1  # the add+LN alone still fuses
+    # the add still fuses, with the LN (add_layernorm) or with the linear (out_proj_residual,
+    # whose kernel takes a run-time weight and whose epilogue saves more bytes here)
+    assert report.counts() == {"out_proj_residual": 1}, report.counts()
 
 
 def test_linear_add_layernorm_not_over_two_dims():
@@ -357,3 +359,27 @@ def test_kernels_leave_torch_thread_count_alone():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_gemm_epilogue_rho_excludes_the_gemm_operands():
+    """At one row the weight is ~99% of a bias+GELU region's bytes; ρ over all bytes would be
+    ~0.015 and the epilogue would never fuse. Epilogue rows measure ρ over the traffic the
+    fusion can change: (M_orig − M_fused) / (M_orig − |x| − |W|)."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(256, 1024)
+
+        def forward(self, x):
+            return F.gelu(self.fc(x))
+
+    report = fused_and_check(M(), torch.randn(1, 2, 256))
+    assert report.counts() == {"bias_gelu": 1}
+    (r,) = report.regions
+    x_w = (2 * 256 + 1024 * 256) * 4
+    assert r.rho == pytest.approx((r.bytes_unfused - r.bytes_fused) / (r.bytes_unfused - x_w), abs=1e-6)
+    assert r.rho >= 0.3 and (r.bytes_unfused - r.bytes_fused) / r.bytes_unfused < 0.02
+    assert "epilogue" in r.reason and "GEMM operands" in r.reason
+    # θ still applies to that ρ
+    report = fused_and_check(M(), torch.randn(1, 2, 256), theta=0.99)
+    assert report.counts() == {} and "epilogue traffic" in report.regions[0].reason

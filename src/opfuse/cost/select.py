@@ -34,10 +34,15 @@ class Candidate:
     verify_error: float | None = None
     legal: bool = True
     extra: dict = field(default_factory=dict)
+    shared_bytes: int = 0         # bytes read identically fused and unfused (a GEMM's x and W), not in ρ
 
     @property
     def rho(self) -> float:
-        return rho(self.unfused, self.fused)
+        """ρ = (M_orig − M_fused) / M_orig, M without ``shared_bytes`` (the same on both sides)."""
+        if not self.shared_bytes:
+            return rho(self.unfused, self.fused)
+        base = self.unfused.bytes - self.shared_bytes
+        return (self.unfused.bytes - self.fused.bytes) / base if base > 0 else 0.0
 
     @property
     def saved_bytes(self) -> int:
@@ -97,13 +102,17 @@ def select(cands: list[Candidate], theta: float) -> None:
             passing.append(c)
         elif c.rho < theta:
             c.reason = (f"ρ={c.rho:.2f} < θ={theta:.2f}: saves {c.saved_bytes / MB:.2f} MB of "
-                        f"{c.unfused.bytes / MB:.2f} MB")
+                        f"{(c.unfused.bytes - c.shared_bytes) / MB:.2f} MB")
+            if c.shared_bytes:
+                c.reason += f" (epilogue traffic; GEMM operands {c.shared_bytes / MB:.2f} MB excluded)"
             if c.match.params.get("cost_note"):
                 c.reason += f" ({c.match.params['cost_note']})"
         elif gain <= 0:
             c.reason = f"ρ={c.rho:.2f} ≥ θ but roofline predicts no gain ({gain * 1e6:+.1f} µs)"
         else:
             c.reason = f"ρ={c.rho:.2f} ≥ θ={theta:.2f}; saves {c.saved_bytes / MB:.2f} MB, {gain * 1e6:.1f} µs predicted"
+            if c.shared_bytes:
+                c.reason += f" (ρ over the epilogue's traffic; GEMM operands {c.shared_bytes / MB:.2f} MB excluded)"
             passing.append(c)
     passing.sort(key=lambda c: (-c.saved_bytes, -c.rho, c.match.anchor.name))
     taken: dict = {}

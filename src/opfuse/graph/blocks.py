@@ -51,8 +51,11 @@ def op_name(node: fx.Node) -> str | None:
         return None
     if "opfuse" in str(node.target):
         return "[" + str(node.target).split(".")[1] + "]"
-    if node.meta.get("opfuse_pattern") and node.target is aten.linear.default:
+    gemm = node.target is aten.linear.default or "mkldnn._linear_pointwise" in str(node.target)
+    if node.meta.get("opfuse_pattern") and gemm:  # a fused region now run by a GEMM library call
         return f"[{node.meta['opfuse_pattern']}]"
+    if gemm:
+        return "Linear"
     if node.target in _SHORT:
         return _SHORT[node.target]
     return None

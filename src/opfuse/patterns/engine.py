@@ -75,7 +75,11 @@ class Pattern:
                routed to opfuse's kernel for the backend, with no traffic saving claimed
     fused_cost: optional ``fused_cost(match, device) -> Cost`` when the fused kernel moves
                more than "external inputs once, outputs once" (FFN weight re-reads)
-    decide_by: "rho" (the seed's rule ρ ≥ θ) or "time" for horizontal merges whose ρ is
+    decide_by: "rho" (the seed's rule ρ ≥ θ); "epilogue" for a GEMM with its epilogue
+               (bias+GELU, +residual, +residual+LayerNorm): ρ ≥ θ with M counting the
+               epilogue's traffic — the GEMM's x and W reads are the same fused or not and
+               would make ρ depend on the weight size, not on the fusion (at batch 1 the
+               weights are ~90% of the bytes); or "time" for horizontal merges whose ρ is
                bounded by construction (QKV merge: ρ ≤ 1/3 since only the shared input's
                re-reads are saved) and whose gain is launches and GEMM shape: fused when
                the roofline predicts a saving

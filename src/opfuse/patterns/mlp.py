@@ -156,10 +156,12 @@ def build_out_proj_residual(graph, inputs, literals, params):
 
 
 PATTERNS = [
-    Pattern("bias_gelu", "erf", bias_gelu_erf, _example_linear, _build_bias_gelu("none"), check_bias_gelu),
-    Pattern("bias_gelu", "tanh", bias_gelu_tanh, _example_linear, _build_bias_gelu("tanh"), check_bias_gelu),
+    Pattern("bias_gelu", "erf", bias_gelu_erf, _example_linear, _build_bias_gelu("none"), check_bias_gelu,
+            decide_by="epilogue"),
+    Pattern("bias_gelu", "tanh", bias_gelu_tanh, _example_linear, _build_bias_gelu("tanh"), check_bias_gelu,
+            decide_by="epilogue"),
     Pattern("out_proj_residual", "linear_add", out_proj_residual, _example_residual, build_out_proj_residual,
-            check_out_proj_residual),
+            check_out_proj_residual, decide_by="epilogue"),
     Pattern("ffn", "erf", ffn_erf, _example_ffn, _build_ffn("none"), check_ffn, fused_cost=ffn_fused_cost),
     Pattern("ffn", "tanh", ffn_tanh, _example_ffn, _build_ffn("tanh"), check_ffn, fused_cost=ffn_fused_cost),
     Pattern("swiglu", "gate_up", swiglu, _example_swiglu, build_swiglu, check_swiglu),

@@ -217,7 +217,7 @@ PATTERNS = [
             check_add_layernorm, literals=_LN, emits=("add",)),
     Pattern("linear_add_layernorm", "linear_add_ln", linear_add_layernorm, _example_linear_add_ln,
             build_linear_add_layernorm, check_linear_add_layernorm, literals=_LN, emits=("add",),
-            fused_cost=linear_add_layernorm_cost),
+            fused_cost=linear_add_layernorm_cost, decide_by="epilogue"),
     *[Pattern("layernorm_gelu", form, fn, lambda: _example(False), _build_layernorm_gelu(approx),
               check_layernorm_gelu, literals=_LN)
       for form, fn, approx in [("erf", layernorm_gelu_erf, "none"), ("tanh", layernorm_gelu_tanh, "tanh")]],
