@@ -3,7 +3,9 @@ wrapper of ``opfuse bench``), one JSON + CSV per model under benchmarks/results/
 
     .venv/bin/python benchmarks/bench_models.py [MODEL ...] [--threads 1] [--amdahl]
 
-Default: minilm 8x128 (eager attention) and bert-base 1x128 (sdpa), against eager,inductor,ort.
+Default: minilm 8x128 (eager attention) and bert-base 1x128 (sdpa), against
+eager,opfuse-aten,inductor,ort (opfuse-aten: opfuse with eager's GEMMs, the fusions' share
+alone). ``--all`` adds bert-base 1x512 (eager attention), gpt2 1x256 and llama 1x256.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def main() -> int:
     ap.add_argument("models", nargs="*", help="minilm, bert-base, gpt2, llama (default: minilm bert-base)")
     ap.add_argument("--all", action="store_true", help="also bert-base 1x512 eager, gpt2 1x256, llama 1x256")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--against", default="eager,inductor,ort")
+    ap.add_argument("--against", default="eager,opfuse-aten,inductor,ort")
     ap.add_argument("--amdahl", action="store_true")
     ap.add_argument("--repeat", type=int, default=20)
     ns = ap.parse_args()

@@ -47,7 +47,8 @@ from .rewrite import drop_unused_parameters
 
 aten = torch.ops.aten
 MARGIN = 0.03           # a backend replaces aten only when ≥ 3% faster (median vs median)
-ROUNDS = 9              # interleaved timing rounds per shape (after 2 warm-up rounds)
+ROUNDS = 7              # interleaved timing rounds per shape
+WARMUP = 1              # untimed rounds first (oneDNN creates its primitive on the first call)
 
 
 def _onednn_linear(x, w, b, node_args):
@@ -200,7 +201,7 @@ def _materialize(gm: fx.GraphModule, value):
 
 def measure(site: Site, args: list, backends: list[GemmBackend]) -> dict[str, float]:
     """Median seconds of the site's op for each backend on ``args`` (concrete values),
-    timed round-robin (``ROUNDS`` rounds after two warm-up rounds). A backend whose result
+    timed round-robin (``ROUNDS`` rounds after ``WARMUP`` untimed ones). A backend whose result
     differs from aten's beyond float32 round-off (1e-4 relative) is dropped (time inf)."""
     x, w = args[site.x], args[site.w]
     b = args[site.b] if site.b is not None and len(args) > site.b else None
@@ -210,7 +211,7 @@ def measure(site: Site, args: list, backends: list[GemmBackend]) -> dict[str, fl
     results = {}
     failed: set[str] = set()
     with torch.no_grad():
-        for r in range(ROUNDS + 2):
+        for r in range(ROUNDS + WARMUP):
             for name, (run, weight) in runs.items():
                 if name in failed:
                     continue
@@ -223,7 +224,7 @@ def measure(site: Site, args: list, backends: list[GemmBackend]) -> dict[str, fl
                     failed.add(name)
                     continue
                 dt = time.perf_counter() - t
-                if r >= 2:
+                if r >= WARMUP:
                     samples[name].append(dt)
                 else:
                     results[name] = y[0] if isinstance(y, (tuple, list)) else y

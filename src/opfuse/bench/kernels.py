@@ -45,7 +45,7 @@ def copy_bandwidth(mib: int = 64) -> float:
 
 def _rows(sizes: str) -> list[tuple[int, int]]:
     # (rows, hidden): [128,384] ≈ 0.2 MB (L2), [2048,768] ≈ 6 MB (L3), [8192,1024] = 32 MB (DRAM)
-    return {"tiny": [(16, 64)], "quick": [(128, 384), (2048, 768)],
+    return {"tiny": [(16, 64), (8, 32)], "quick": [(128, 384), (2048, 768)],
             "full": [(128, 384), (2048, 768), (8192, 1024)]}[sizes]
 
 
@@ -93,7 +93,7 @@ def cases(sizes: str = "full") -> list[Case]:
             "linear_add_layernorm", f"[{m},{n}]x[{n},{n}]",
             lambda x=x, wo=wo, bo=bo, res=res, lw=lw, lb=lb: ops.linear_add_layernorm(x, wo, bo, res, lw, lb, eps),
             lambda x=x, wo=wo, bo=bo, res=res, lw=lw, lb=lb, y=y_buf:
-                F.layer_norm(torch.add(torch.addmm(bo, x, wo.t(), out=y), res, out=y), (n,), lw, lb, eps),
+                F.layer_norm(torch.add(torch.addmm(bo, x, wo.t(), out=y), res, out=y), lw.shape, lw, lb, eps),
             _b(x, wo, bo, res, lw, lb, x), 2 * m * n * n))
         w2, b2 = r(n, k4) / math.sqrt(k4), r(n)
         block = max(1, min(m, (256 * 1024) // (4 * k4)))
