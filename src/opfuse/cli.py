@@ -14,14 +14,12 @@ from rich.console import Console
 from rich.table import Table
 
 
-def _median_ms(fn, repeat: int, warmup: int = 2) -> float:
-    from opfuse.bench.timing import median_s
-    return 1e3 * median_s(fn, repeat, warmup)
-
-
 def latency_table(model, fused, args, kwargs, repeat: int) -> tuple[Table, dict]:
-    """Eager vs opfuse median latency (ms), one thread and all threads, interleaved."""
+    """Eager vs opfuse median latency (ms), one thread and all threads, interleaved (one call
+    of each per round, so machine noise hits both alike)."""
     import torch
+
+    from opfuse.bench.timing import interleaved
     threads_all = torch.get_num_threads()
     table = Table(title=f"Latency (median of {repeat} runs)")
     for col in ("threads", "eager ms", "opfuse ms", "speed-up"):
@@ -30,8 +28,9 @@ def latency_table(model, fused, args, kwargs, repeat: int) -> tuple[Table, dict]
     for threads in sorted({1, threads_all}):
         torch.set_num_threads(threads)
         with torch.inference_mode():
-            eager = _median_ms(lambda: model(*args, **kwargs), repeat)
-            ours = _median_ms(lambda: fused(*args, **kwargs), repeat)
+            t = interleaved({"eager": lambda: model(*args, **kwargs), "opfuse": lambda: fused(*args, **kwargs)},
+                            repeat=repeat)
+        eager, ours = 1e3 * t["eager"]["median_s"], 1e3 * t["opfuse"]["median_s"]
         results[threads] = (eager, ours)
         table.add_row(str(threads), f"{eager:.2f}", f"{ours:.2f}", f"{eager / ours:.2f}x")
     torch.set_num_threads(threads_all)
