@@ -158,7 +158,8 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--report", metavar="PATH", help="also write the HTML report (graph, table, plots)")
     for name in ("optimize", "explain"):
         p = sub.add_parser(name, help=f"{name} MODEL and print the report")
-        p.add_argument("model", help="minilm, bert-base, bert-tiny or a local Hugging Face directory")
+        p.add_argument("model", help="minilm, bert-base, gpt2, llama, vit, bert-tiny, gpt2-tiny, llama-tiny, vit-tiny "
+                                     "or a local Hugging Face directory")
         p.add_argument("--theta", type=float, default=0.3)
         p.add_argument("--batch", type=int, default=8)
         p.add_argument("--seq", type=int, default=128)
