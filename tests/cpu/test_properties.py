@@ -108,10 +108,27 @@ def test_linear_add_layernorm_and_sum(data):
     w, b = make(d, (n, k), dtype, 1 / math.sqrt(k)), maybe(d, (n,), dtype)
     g, beta = make(d, (n,), dtype, 0.5, 1.0), maybe(d, (n,), dtype)
     expected, expected_sum = ref.linear_add_layernorm(x, w, b, res, g, beta, eps, True)
-    close(OP.linear_add_layernorm(x, w, b, res, g, beta, eps), expected, dtype)
     out, s = OP.linear_add_layernorm_sum(x, w, b, res, g, beta, eps)
-    close(out, expected, dtype)
     close(s, expected_sum, dtype)
+    for got in (out, OP.linear_add_layernorm(x, w, b, res, g, beta, eps)):
+        close_layernorm(got, expected, expected_sum, g, eps, dtype, terms=k + 2)
+
+
+def close_layernorm(actual, expected, s, g, eps, dtype, terms):
+    """LayerNorm output vs the float64 oracle, float32 allowance scaled by each row's
+    conditioning: the float32 sum s (a GEMM of ``terms`` products plus bias and residual)
+    carries ~terms·u·max|s| rounding that no kernel avoids, and LayerNorm multiplies it by
+    |γ| / sqrt(var + eps) — up to 1/sqrt(eps) for a row of nearly equal values (hypothesis
+    found 2.6e-5 at N=2 and 3.5e-5 at N=3 with rows offset by 100)."""
+    if dtype != torch.float32:
+        return close(actual, expected, dtype)
+    assert actual.dtype == dtype and actual.shape == expected.shape
+    var = s.var(dim=-1, unbiased=False, keepdim=True)
+    cond = s.abs().amax(dim=-1, keepdim=True) / torch.sqrt(var + eps)
+    allowed = TOLERANCE[dtype]["atol"] + terms * 2.0 ** -24 * float(g.abs().max()) * cond \
+        + TOLERANCE[dtype]["rtol"] * expected.abs()
+    err = (actual.double() - expected).abs()
+    assert bool((err <= allowed).all()), f"max excess {float((err - allowed).max()):.3e}"
 
 
 @SETTINGS
