@@ -145,10 +145,11 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
     """
     kwargs = dict(example_kwargs or {})
     _check_inputs(model, example_inputs, kwargs)
-    from .gemm import BACKENDS
-    if gemm not in (None, "auto", *(b.name for b in BACKENDS)):
-        raise OptimizeError(f"opfuse: unknown gemm mode {gemm!r}; expected auto, "
-                            + ", ".join(b.name for b in BACKENDS))
+    from .gemm import check_mode
+    try:
+        check_mode(gemm)
+    except ValueError as exc:
+        raise OptimizeError(str(exc)) from None
     fused = FusedModule(model, dict(theta=theta, device=device, verify=verify, strict=strict, name=name, gemm=gemm))
     fused.plan_for(tuple(example_inputs), kwargs)
     return fused

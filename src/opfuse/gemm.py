@@ -31,9 +31,7 @@ times (``FusionReport.gemm``).
 
 from __future__ import annotations
 
-import json
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from math import prod
@@ -42,13 +40,14 @@ from operator import attrgetter
 import torch
 from torch import fx
 
-from .cost.device import cache_dir
+from .cost.device import cpu_model, load_cache, save_cache
 from .rewrite import drop_unused_parameters
 
 aten = torch.ops.aten
 MARGIN = 0.03           # a backend replaces aten only when ≥ 3% faster (median vs median)
 ROUNDS = 7              # interleaved timing rounds per shape
 WARMUP = 1              # untimed rounds first (oneDNN creates its primitive on the first call)
+CACHE = "gemm_cpu.json"  # measured medians, under OPFUSE_CACHE_DIR
 
 
 def _onednn_linear(x, w, b, node_args):
@@ -156,103 +155,81 @@ class GemmChoice:
     pattern: str = ""     # the fused region's pattern when the GEMM is inside one
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "cpu"
-
-
-def _cache_path():
-    return cache_dir() / "gemm_cpu.json"
-
-
-def _load_cache() -> dict:
-    try:
-        return json.loads(_cache_path().read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _save_cache(table: dict) -> None:
-    try:
-        path = _cache_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(table, indent=1, sort_keys=True))
-    except OSError:
-        pass
-
-
-def _materialize(gm: fx.GraphModule, value):
-    """A node argument as a concrete value for timing: parameters as they are, run-time
-    tensors as random data of their recorded shape/dtype, literals unchanged."""
+def _value(gm: fx.GraphModule, value, concrete: bool):
+    """A node argument as a value: parameters as they are; run-time tensors as their recorded
+    (fake) value, or with ``concrete`` as random data of that shape/dtype (for timing);
+    literals unchanged. Raises ValueError when a run-time tensor has no recorded value."""
     if isinstance(value, fx.Node):
         if value.op == "get_attr":
             return attrgetter(value.target)(gm).detach()
         v = value.meta.get("val")
-        if isinstance(v, torch.Tensor):
-            return torch.randn(tuple(v.shape), dtype=v.dtype)
-        raise ValueError(f"no recorded value for {value.name}")
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"no recorded value for {value.name}")
+        return torch.randn(tuple(v.shape), dtype=v.dtype) if concrete else v
     if isinstance(value, (list, tuple)):
-        return type(value)(_materialize(gm, v) for v in value)
+        return type(value)(_value(gm, v, concrete) for v in value)
     return value
 
 
 def measure(site: Site, args: list, backends: list[GemmBackend]) -> dict[str, float]:
-    """Median seconds of the site's op for each backend on ``args`` (concrete values),
-    timed round-robin (``ROUNDS`` rounds after ``WARMUP`` untimed ones). A backend whose result
-    differs from aten's beyond float32 round-off (1e-4 relative) is dropped (time inf)."""
+    """Median seconds of the site's op for each backend on ``args`` (concrete values), timed
+    round-robin (:func:`opfuse.bench.timing.interleaved`, ``ROUNDS`` rounds) after one
+    untimed call each (``WARMUP``: oneDNN creates its primitive on the first call). A
+    backend that raises there, or whose result differs from aten's beyond float32 round-off
+    (1e-4 relative), is not a candidate (time inf)."""
+    from .bench.timing import interleaved
     x, w = args[site.x], args[site.w]
     b = args[site.b] if site.b is not None and len(args) > site.b else None
     wt = w.t().contiguous().t()
-    runs = {be.name: (be.replace.get(site.kind) or site.run, wt if be.transposed else w) for be in backends}
-    samples: dict[str, list[float]] = {name: [] for name in runs}
-    results = {}
-    failed: set[str] = set()
+    calls = {}
+    for be in backends:
+        run, weight = be.replace.get(site.kind) or site.run, wt if be.transposed else w
+        calls[be.name] = lambda run=run, weight=weight: run(x, weight, b, args)
+    results, failed = {}, set()
     with torch.no_grad():
-        for r in range(ROUNDS + WARMUP):
-            for name, (run, weight) in runs.items():
-                if name in failed:
-                    continue
-                t = time.perf_counter()
-                try:
-                    y = run(x, weight, b, args)
-                except RuntimeError:  # a library refusing this shape/layout: not a candidate
-                    if name == "aten":
-                        raise
-                    failed.add(name)
-                    continue
-                dt = time.perf_counter() - t
-                if r >= WARMUP:
-                    samples[name].append(dt)
-                else:
-                    results[name] = y[0] if isinstance(y, (tuple, list)) else y
-    ref = results["aten"]
-    bound = 1e-4 * float(ref.abs().max()) + 1e-5
-    return {name: (sorted(v)[len(v) // 2] if name not in failed and float((results[name] - ref).abs().max()) <= bound
-                   else float("inf"))
-            for name, v in samples.items()}
+        for name, call in calls.items():
+            try:
+                y = call()
+            except RuntimeError:  # a library refusing this shape/layout: not a candidate
+                if name == "aten":
+                    raise
+                failed.add(name)
+                continue
+            results[name] = y[0] if isinstance(y, (tuple, list)) else y
+        ref = results["aten"]
+        bound = 1e-4 * float(ref.abs().max()) + 1e-5
+        failed |= {name for name, y in results.items() if float((y - ref).abs().max()) > bound}
+        times = interleaved({n: c for n, c in calls.items() if n not in failed}, repeat=ROUNDS, warmup=WARMUP - 1)
+    return {name: times[name]["median_s"] if name not in failed else float("inf") for name in calls}
 
 
-def choose(site: Site, args: list, backends: list[GemmBackend], cache: dict) -> tuple[str, dict, str]:
-    """(backend name, median times, reason) for one GEMM site and shape; measured once,
-    then kept in ``cache`` (keyed by CPU model, torch version, threads, op, shapes, dtypes)."""
+def choose(site: Site, args: list, backends: list[GemmBackend], cache: dict,
+           concrete: Callable[[], list] | None = None) -> tuple[str, dict, str]:
+    """(backend name, median times, reason) for one GEMM site and shape; measured once (on
+    ``concrete()``, default ``args``), then kept in ``cache`` (keyed by CPU model, torch
+    version, threads, op, argument shapes and dtypes — ``args`` may be fake tensors)."""
     def sig(a):
         if isinstance(a, torch.Tensor):
             return "x".join(map(str, a.shape)) + ":" + str(a.dtype).replace("torch.", "")
         return repr(a)
-    key = (f"{_cpu_model()} | torch {torch.__version__} | threads {torch.get_num_threads()} | {site.kind}("
+    key = (f"{cpu_model()} | torch {torch.__version__} | threads {torch.get_num_threads()} | {site.kind}("
            + ", ".join(sig(a) for a in args) + ") | " + ",".join(be.name for be in backends))
     times = cache.get(key)
     if times is None:
-        times = cache[key] = measure(site, args, backends)
+        times = cache[key] = measure(site, concrete() if concrete else args, backends)
     base = times["aten"]
     best = min(times, key=times.__getitem__)
     if best != "aten" and times[best] <= base * (1 - MARGIN):
         return best, times, f"{best} {base / times[best]:.2f}x faster than aten (median of {ROUNDS})"
     return "aten", times, (f"aten kept: best alternative {best} within {MARGIN:.0%}" if best != "aten"
                            else "aten fastest")
+
+
+def check_mode(mode: str | None) -> None:
+    """Raise ValueError unless ``mode`` is None, ``"auto"`` or a backend name."""
+    if mode not in (None, "auto", *(be.name for be in BACKENDS)):
+        raise ValueError(f"opfuse: unknown gemm mode {mode!r}; expected auto, "
+                         + ", ".join(be.name for be in BACKENDS))
 
 
 def _mode() -> str:
@@ -272,13 +249,11 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None) -> list[Gemm
         ValueError: unknown mode.
     """
     mode = mode or _mode()
-    if mode not in ("auto", *(be.name for be in BACKENDS)):
-        raise ValueError(f"opfuse: unknown GEMM mode {mode!r}; expected auto, "
-                         + ", ".join(be.name for be in BACKENDS))
+    check_mode(mode)
     if mode == "aten":
         return []
     table = sites()
-    cache = _load_cache()
+    cache = load_cache(CACHE)
     size_before = len(cache)
     choices: list[GemmChoice] = []
     transposed: dict[str, fx.Node] = {}
@@ -299,12 +274,13 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None) -> list[Gemm
         if m == 0:
             continue
         try:
-            args = [_materialize(gm, a) for a in node.args]
+            args = [_value(gm, a, concrete=False) for a in node.args]
         except ValueError:
             continue
         backends = [be for be in BACKENDS if be.available() and be.serves(site.kind) and be.usable(site.kind, args)]
         if mode == "auto":
-            name, times, reason = choose(site, args, backends, cache)
+            name, times, reason = choose(site, args, backends, cache,
+                                         concrete=lambda: [_value(gm, a, concrete=True) for a in node.args])
         elif any(be.name == mode for be in backends):
             name, times, reason = mode, {}, f"forced (gemm={mode})"
         else:
@@ -338,7 +314,7 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None) -> list[Gemm
                                   {kk: round(v, 9) for kk, v in times.items()}, reason, extra,
                                   node.meta.get("opfuse_pattern", "")))
     if len(cache) != size_before:
-        _save_cache(cache)
+        save_cache(CACHE, cache)
     if choices:
         drop_unused_parameters(gm)  # weights now read only through their transposed copy
         gm.graph.lint()

@@ -62,18 +62,12 @@ def _measure_cpu(seconds: float = 1.0) -> dict:
     """Microbenchmark with the current torch threads (~1 s): main-memory copy bandwidth
     (64 MiB ``copy_``, bytes read + written), in-cache copy bandwidth (a quarter of L2) and
     float32 GEMM FLOP/s (1024³ ``mm`` with a preallocated output). Best of a few runs."""
-    import time
-
     import torch
 
+    from opfuse.bench.timing import interleaved
+
     def best(fn, n: int) -> float:
-        fn()
-        times = []
-        for _ in range(n):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return min(times)
+        return interleaved({"fn": fn}, repeat=n, warmup=1)["fn"]["min_s"]
 
     big = torch.ones(16 * 1024 * 1024)                  # 64 MiB: far out of cache
     big_out = torch.empty_like(big)
@@ -98,33 +92,47 @@ def cache_dir() -> Path:
     return Path(os.environ.get("OPFUSE_CACHE_DIR") or Path.home() / ".cache" / "opfuse")
 
 
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` ("cpu" where it cannot be read): part of
+    every measurement cache key."""
+    try:
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "cpu"
+
+
+def load_cache(name: str) -> dict:
+    """The JSON table ``cache_dir()/name`` ({} when missing or unreadable)."""
+    import json
+    try:
+        return json.loads((cache_dir() / name).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def save_cache(name: str, table: dict) -> None:
+    """Write ``table`` to ``cache_dir()/name``; a read-only cache directory is not an error."""
+    import json
+    path = cache_dir() / name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(table, indent=1, sort_keys=True))
+    except OSError:
+        pass
+
+
 def measured_cpu_profile(refresh: bool = False) -> DeviceProfile:
     """CPU profile measured by :func:`_measure_cpu` on first use and cached on disk under
     :func:`cache_dir` (one entry per CPU model and torch thread count)."""
-    import json
-
     import torch
-    model = "cpu"
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    key = f"{model} | threads={torch.get_num_threads()}"
-    path = cache_dir() / "device_cpu.json"
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
+    key = f"{cpu_model()} | threads={torch.get_num_threads()}"
+    table = load_cache("device_cpu.json")
     m = None if refresh else table.get(key)
     if m is None:
         m = _measure_cpu()
         table[key] = m
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(table, indent=2))
-        except OSError:
-            pass
+        save_cache("device_cpu.json", table)
     return DeviceProfile("cpu (measured)", bandwidth=m["bandwidth"], peak_flops=m["peak_flops"],
                          cache_bytes=int(m["cache_bytes"]), launch_overhead=5e-6,
                          cache_bandwidth=m["cache_bandwidth"])

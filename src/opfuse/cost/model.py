@@ -77,6 +77,8 @@ def fused_cost(region: list[fx.Node], outputs: list[fx.Node]) -> Cost:
     return Cost(unfused_cost(region).flops, read, written)
 
 
-def rho(unfused: Cost, fused: Cost) -> float:
-    """ρ = (M_orig − M_fused) / M_orig (0 when nothing moves)."""
-    return (unfused.bytes - fused.bytes) / unfused.bytes if unfused.bytes else 0.0
+def rho(unfused: Cost, fused: Cost, shared_bytes: int = 0) -> float:
+    """ρ = (M_orig − M_fused) / M_orig (0 when nothing moves); ``shared_bytes`` (bytes moved
+    identically fused or not, e.g. a GEMM's x and W under an epilogue) are left out of M."""
+    base = unfused.bytes - shared_bytes
+    return (unfused.bytes - fused.bytes) / base if base > 0 else 0.0

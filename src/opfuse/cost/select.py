@@ -38,11 +38,7 @@ class Candidate:
 
     @property
     def rho(self) -> float:
-        """ρ = (M_orig − M_fused) / M_orig, M without ``shared_bytes`` (the same on both sides)."""
-        if not self.shared_bytes:
-            return rho(self.unfused, self.fused)
-        base = self.unfused.bytes - self.shared_bytes
-        return (self.unfused.bytes - self.fused.bytes) / base if base > 0 else 0.0
+        return rho(self.unfused, self.fused, self.shared_bytes)
 
     @property
     def saved_bytes(self) -> int:
