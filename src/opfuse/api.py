@@ -8,6 +8,7 @@ import torch
 
 from . import pipeline
 from .graph.meta import tensor_values
+from .graph.state import mutated_targets
 from .report.data import FusionReport
 
 
@@ -37,27 +38,71 @@ def _check_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
                             f"got {type(args).__name__}")
 
 
-def _weight_slots(model: torch.nn.Module) -> list[tuple[dict, str]]:
-    """(owner dict, name) of every parameter and buffer, so a check reads the current
-    tensor even after ``load_state_dict(assign=True)`` replaced it."""
+# Global count of parameter / buffer / submodule registrations in this process (torch's
+# module registration hooks fire on ``model.layer[0].attn = ...``, ``register_buffer``,
+# ``load_state_dict(assign=True)`` ...): a FusedModule re-reads its model's structure only
+# when this moved, so the per-call guard stays cheap.
+_REGISTRATIONS = [0]
+
+
+def _count_registration(*_args) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+for _hook in ("register_module_module_registration_hook", "register_module_parameter_registration_hook",
+              "register_module_buffer_registration_hook"):
+    getattr(torch.nn.modules.module, _hook)(_count_registration)
+
+
+def _weight_slots(model: torch.nn.Module) -> list[tuple[dict, str, str]]:
+    """(owner dict, name, qualified name) of every parameter and buffer, so a check reads
+    the current tensor even after ``load_state_dict(assign=True)`` replaced it."""
     slots = []
-    for mod in model.modules():
-        slots += [(mod._parameters, n) for n, p in mod._parameters.items() if p is not None]
-        slots += [(mod._buffers, n) for n, b in mod._buffers.items() if b is not None]
+    for path, mod in model.named_modules(remove_duplicate=False):
+        prefix = path + "." if path else ""
+        slots += [(mod._parameters, n, prefix + n) for n, p in mod._parameters.items() if p is not None]
+        slots += [(mod._buffers, n, prefix + n) for n, b in mod._buffers.items() if b is not None]
     return slots
 
 
-def _weights_version(model: torch.nn.Module, slots: list | None = None) -> tuple:
+def _structure(model: torch.nn.Module) -> tuple:
+    """Identity of every submodule, parameter and buffer (a replaced submodule changes it)."""
+    return tuple((path, id(mod), tuple(map(id, mod._parameters.values())), tuple(map(id, mod._buffers.values())))
+                 for path, mod in model.named_modules(remove_duplicate=False))
+
+
+def _has_version(t: torch.Tensor) -> bool:
+    try:
+        t._version
+        return True
+    except RuntimeError:  # inference-mode tensors have no version counter
+        return False
+
+
+def _weights_version(slots: list, live: frozenset = frozenset()) -> tuple:
     """Storage and version counter of every parameter and buffer: changes on in-place
-    updates, ``model.to(dtype)``, ``.data =`` and ``load_state_dict(assign=True)``."""
-    def one(t):
-        try:
-            return t.data_ptr(), t._version
-        except RuntimeError:  # inference-mode tensors have no version counter
-            return t.data_ptr(), -1
-    if slots is None:
-        slots = _weight_slots(model)
-    return tuple(one(owner[name]) for owner, name in slots)
+    updates, ``model.to(dtype)``, ``.data =`` and ``load_state_dict(assign=True)``. A
+    buffer in ``live`` (written by the program itself, e.g. a KV cache) counts by storage
+    only: its writes are part of every call and never a reason to re-plan."""
+    def one(t, fqn):
+        if fqn in live or not _has_version(t):
+            return t.data_ptr()
+        return t.data_ptr(), t._version
+    return tuple(one(owner[name], fqn) for owner, name, fqn in slots)
+
+
+#: Elements sampled per tensor by :func:`_fingerprint`.
+FINGERPRINT_SAMPLES = 4096
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """``FINGERPRINT_SAMPLES`` evenly spaced elements of ``t``: the change detector for
+    tensors without a version counter (created under ``torch.inference_mode()``) from
+    which a folded copy was made. A dense in-place update (a merged LoRA delta, a new
+    checkpoint copied in) changes it; an edit that leaves every sampled element equal is
+    not seen (call :meth:`FusedModule.refresh` after one)."""
+    flat = t.detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // FINGERPRINT_SAMPLES)].clone()
 
 
 def _share_folded(gm, others: list) -> None:
@@ -89,18 +134,52 @@ class FusedModule(torch.nn.Module):
         self._plans: OrderedDict = OrderedDict()
         self._max_plans = max_plans
         self.report: FusionReport | None = None
+        self.replans: list[str] = []  # why plans were dropped and rebuilt, in order
+        self._live: frozenset = frozenset()  # buffers the program writes (never guarded by version)
+        self._derived: frozenset = frozenset()  # tensors a folded copy was made from
 
     @property
     def reports(self) -> list[FusionReport]:
         return [p.report for p in self._plans.values()]
 
+    def refresh(self, reason: str = "refresh() called") -> None:
+        """Drop every plan: the next call re-plans on the model as it is now."""
+        if self._plans:
+            self.replans.append(reason)
+        self._plans.clear()
+
+    # -- guards: the model a plan was built from is still the model being called --------
+    def _arm_guards(self) -> None:
+        model = self._model[0]
+        self._registrations = _REGISTRATIONS[0]
+        self._structure = _structure(model)
+        self._slots = _weight_slots(model)
+        self._version = _weights_version(self._slots, self._live)
+        tensors = {fqn: owner[name] for owner, name, fqn in self._slots}
+        self._fingerprints = {fqn: _fingerprint(tensors[fqn]) for fqn in self._derived
+                              if fqn in tensors and not _has_version(tensors[fqn])}
+
+    def _stale(self) -> str | None:
+        """Why the plans no longer describe the model (None while they do)."""
+        model = self._model[0]
+        if self._registrations != _REGISTRATIONS[0]:
+            self._registrations = _REGISTRATIONS[0]
+            if _structure(model) != self._structure:
+                return "a submodule, parameter or buffer of the model was replaced"
+        if _weights_version(self._slots, self._live) != self._version:
+            return "a parameter or buffer changed (in place, .data, dtype or device)"
+        if self._fingerprints:
+            tensors = {fqn: owner[name] for owner, name, fqn in self._slots}
+            for fqn, fp in self._fingerprints.items():
+                if not torch.equal(_fingerprint(tensors[fqn]), fp):
+                    return f"inference-mode tensor {fqn} (folded into the plan) changed"
+        return None
+
     def plan_for(self, args: tuple, kwargs: dict):
-        if getattr(self, "_slots", None) is None:
-            self._slots = _weight_slots(self._model[0])  # module structure is fixed after optimize
-        version = _weights_version(self._model[0], self._slots)
-        if version != getattr(self, "_version", version):
-            self._plans.clear()  # weights changed in place: folded copies (QKV concat) are stale
-        self._version = version
+        if self._plans:
+            reason = self._stale()
+            if reason:
+                self.refresh(reason)
         key = _signature(args, kwargs)
         plan = self._plans.get(key)
         if plan is None:
@@ -111,6 +190,9 @@ class FusedModule(torch.nn.Module):
                 self._plans.popitem(last=False)
             if self.report is None:
                 self.report = plan.report
+            self._live = self._live | mutated_targets(plan.gm.graph)["buffers"]
+            self._derived = self._derived | {s for srcs in plan.gm.meta.get("opfuse_derived", {}).values() for s in srcs}
+            self._arm_guards()  # after planning: versions as planning left them
         return plan
 
     def forward(self, *args, **kwargs):

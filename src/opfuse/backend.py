@@ -13,9 +13,11 @@ be passed directly (``torch.compile(model, backend=opfuse_backend)``).
     any failure ─► gm.forward, with the reason recorded in ``CompiledGraph.fallbacks``
 
 Each graph piece (one per graph break) is optimized on its own. Plans are cached per input
-signature (shapes, dtypes, devices, contiguity) and per identity and version of every
-parameter/buffer input, so a weight updated in place, or another module instance running
-the same graph, is re-optimized rather than run on stale folded weights. Calls that need
+signature (shapes, dtypes, devices, contiguity) and per identity of every parameter/buffer
+input (another module instance running the same graph gets its own plan); inside, the
+:class:`~opfuse.FusedModule` guards versions (and fingerprints of inference-mode weights),
+so a weight updated in place is re-planned rather than run on stale folded copies, while
+a buffer the graph itself writes (a KV cache, a step counter) is not a reason to re-plan. Calls that need
 autograd (grad mode on and an input that requires grad) and graphs traced in training
 mode (dropout active) run ``gm.forward`` unchanged: opfuse's kernels are inference-only.
 The backend never raises because of opfuse; it falls back and says why.
@@ -70,13 +72,6 @@ class _Bound(torch.nn.Module):
 def _is_static(t) -> bool:
     return isinstance(t, torch.nn.Parameter) or (isinstance(t, torch.Tensor)
                                                  and hasattr(t, "_dynamo_static_input_type"))
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except Exception:  # inference tensors have no version counter
-        return -1
 
 
 def _training_dropout(gm: fx.GraphModule) -> str | None:
@@ -148,7 +143,7 @@ class CompiledGraph:
 
     def _key(self, args) -> tuple:
         from .api import _signature
-        static = tuple((id(args[i]), _version(args[i])) for i in self.static)
+        static = tuple(id(args[i]) for i in self.static)  # versions: guarded by the FusedModule
         return _signature(tuple(a for i, a in enumerate(args) if i not in self.static), {}), static
 
     def _optimize(self, key, args):

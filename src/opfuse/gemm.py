@@ -41,6 +41,7 @@ import torch
 from torch import fx
 
 from .cost.device import cpu_model, load_cache, save_cache
+from .graph.state import foldable, note_derived
 from .rewrite import drop_unused_parameters
 
 aten = torch.ops.aten
@@ -263,7 +264,7 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None) -> list[Gemm
             continue
         x, w = node.args[site.x], node.args[site.w]
         xv = getattr(x, "meta", {}).get("val")
-        if not (isinstance(w, fx.Node) and w.op == "get_attr" and isinstance(xv, torch.Tensor)):
+        if not (isinstance(w, fx.Node) and foldable(gm, w) and isinstance(xv, torch.Tensor)):
             continue
         wv = attrgetter(w.target)(gm)
         if not (wv.dim() == 2 and wv.dtype == torch.float32 and xv.dtype == torch.float32
@@ -291,6 +292,7 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None) -> list[Gemm
             if view is None:
                 buf = f"opfuse_folded_wt_{w.target.replace('.', '_')}"
                 gm.register_buffer(buf, wv.detach().t().contiguous())
+                note_derived(gm, buf, [w.target])
                 with gm.graph.inserting_before(node):
                     attr = gm.graph.get_attr(buf)
                     view = gm.graph.call_function(aten.t.default, (attr,))

@@ -15,7 +15,8 @@ from .cost.model import fused_cost, graph_cost, is_view, node_cost, unfused_cost
 from .cost.select import Candidate, estimate, select
 from .graph.blocks import first_block, op_sequence
 from .graph.canonicalize import canonicalize
-from .graph.capture import capture
+from .graph.capture import capture, check_python_state
+from .graph.state import StateSnapshot, check_functional, copy_inputs, mutated_targets
 from .gemm import apply_gemm_choices
 from .graph.meta import nbytes, tensor_values
 from .patterns import LIBRARY, SPELLINGS, Pattern, find_matches
@@ -73,6 +74,18 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, thet
     ``gemm``: GEMM backend mode of :func:`opfuse.gemm.apply_gemm_choices` (default
     ``OPFUSE_GEMM`` or ``"auto"``: measured per shape and cached)."""
     kwargs = dict(kwargs or {})
+    snapshot = StateSnapshot.take(model)  # planning runs the forward: the model's state must not move
+    args, kwargs = copy_inputs(args, kwargs)  # ... nor the caller's inputs
+    try:
+        check_python_state(model, args, kwargs)  # Python attributes written in forward: refused
+        snapshot.restore()
+        return _passes(model, args, kwargs, theta=theta, device=device, verify=verify, strict=strict,
+                       rewrite_graph=rewrite_graph, patterns=patterns, name=name, gemm=gemm)
+    finally:
+        snapshot.restore()
+
+
+def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph, patterns, name, gemm) -> Plan:
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 

@@ -13,6 +13,7 @@ from operator import attrgetter
 import torch
 from torch import fx
 
+from .graph.state import foldable, note_derived
 from .kernels import ops as _ops  # noqa: F401  (registers torch.ops.opfuse.*)
 
 aten = torch.ops.aten
@@ -70,12 +71,13 @@ def fold_parameter_concats(gm: fx.GraphModule) -> int:
     folded = 0
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten.cat.default and \
-                all(isinstance(a, fx.Node) and a.op == "get_attr" for a in node.args[0]):
+                all(isinstance(a, fx.Node) and foldable(gm, a) for a in node.args[0]):
             tensors = [attrgetter(a.target)(gm) for a in node.args[0]]
             with torch.no_grad():
                 value = torch.cat([t.detach() for t in tensors], *node.args[1:])
             name = f"opfuse_folded_{folded}_{node.name}"
             gm.register_buffer(name, value)
+            note_derived(gm, name, [a.target for a in node.args[0]])
             with gm.graph.inserting_before(node):
                 new = gm.graph.get_attr(name)
             new.meta["val"] = node.meta.get("val")

@@ -47,18 +47,29 @@ def compare(out, ref) -> float:
 
 
 def record_values(gm: fx.GraphModule, args: tuple, kwargs: dict) -> dict[fx.Node, object]:
-    """Run ``gm`` once, keeping every node's value (for per-region checks)."""
+    """Run ``gm`` once, keeping every node's value in program order (for per-region
+    checks), on copies of the inputs; buffers are restored afterwards. Inputs and
+    buffers that the program writes at its end (``copy_``
+    destinations, see :func:`opfuse.graph.state.mutated_targets`) are recorded as copies
+    taken before the write, so a region is checked against the values it reads."""
     env: dict[fx.Node, object] = {}
+    written = {n.args[0] for n in gm.graph.nodes
+               if n.op == "call_function" and n.target is torch.ops.aten.copy_.default}
 
     class _Recorder(fx.Interpreter):
         def run_node(self, n):
             out = super().run_node(n)
-            env[n] = out
+            env[n] = out.clone() if n in written and isinstance(out, torch.Tensor) else out
             return out
 
-    flat = gm.graph._codegen.process_inputs(tuple(args), dict(kwargs))
-    with torch.no_grad():
-        _Recorder(gm).run(*flat)
+    from .graph.state import StateSnapshot, copy_inputs
+    snap = StateSnapshot.take(gm)  # the program may write buffers it shares with the model
+    flat = gm.graph._codegen.process_inputs(*copy_inputs(args, kwargs))
+    try:
+        with torch.no_grad():
+            _Recorder(gm).run(*flat)
+    finally:
+        snap.restore()
     return env
 
 
@@ -151,14 +162,31 @@ def verify_regions(gm: fx.GraphModule, cands: list, args: tuple, kwargs: dict, s
             cand.decision, cand.reason = "reverted", message
 
 
+def _run_on_copies(fn, model: torch.nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensors of ``fn(*args, **kwargs)`` run on copies of the inputs, followed by those
+    input copies and the model's buffers as the call left them (writes are results too);
+    the model's buffers are then restored."""
+    from torch.utils._pytree import tree_leaves
+
+    from .graph.state import StateSnapshot, copy_inputs
+    snap = StateSnapshot.take(model)
+    a, k = copy_inputs(args, kwargs)
+    try:
+        with torch.no_grad():
+            out = tree_leaves(fn(*a, **k))
+        leaves = out + tree_leaves((a, k)) + list(model.buffers())
+        return [t.clone() if isinstance(t, torch.Tensor) else t for t in leaves]
+    finally:
+        snap.restore()
+
+
 def model_error(model: torch.nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict) -> float:
     """Max :func:`compare` error over every tensor output of the rewritten ``gm`` vs the
-    eager ``model`` on the example inputs."""
-    from torch.utils._pytree import tree_leaves
-    with torch.no_grad():
-        ref = tree_leaves(model(*args, **kwargs))
-        out = tree_leaves(gm(*args, **kwargs))
-    pairs = [(o, r) for o, r in zip(out, ref) if isinstance(r, torch.Tensor) and r.is_floating_point()]
+    eager ``model`` on the example inputs, including what each call writes into its inputs
+    and buffers (both run on copies; the model's state is restored after each)."""
+    ref = _run_on_copies(model, model, args, kwargs)
+    out = _run_on_copies(gm, model, args, kwargs)
     if len(out) != len(ref):
         return float("inf")
+    pairs = [(o, r) for o, r in zip(out, ref) if isinstance(r, torch.Tensor) and r.is_floating_point()]
     return max((compare(o, r) for o, r in pairs), default=0.0)

@@ -239,6 +239,26 @@ def _cases() -> dict:
                    torch.float32, tight)
         return max(e1, e2)
 
+    @case("layernorm-huge-and-non-finite-values")
+    def _():
+        # rows with one finite value >= 2e19 (its float32 square overflows), and rows with
+        # inf / NaN: finite where the float64 oracle is, NaN exactly where it is NaN
+        errs = []
+        for dt in (torch.float32, torch.bfloat16):
+            x, r = randn(6, 96, dtype=dt, seed=5), randn(6, 96, dtype=dt, seed=6)
+            x[0, 3], x[1, 50], x[2, 95], x[3, 0] = 3e19, -1e30, 3e38, 3e38
+            x[4, 7], x[5, 9] = float("inf"), float("nan")
+            w, b = randn(96, dtype=dt, seed=7, scale=0.5, offset=1.0), randn(96, dtype=dt, seed=8)
+            got = {"add_layernorm": K("add_layernorm")(x, r, w, b, 1e-5, False)[0],
+                   "layernorm_gelu": K("layernorm_gelu")(x, w, b, 1e-5, "none")}
+            exp = {"add_layernorm": reference.add_layernorm(x, r, w, b, 1e-5, False)[0],
+                   "layernorm_gelu": reference.layernorm_gelu(x, w, b, 1e-5, "none")}
+            for key in got:
+                assert torch.equal(got[key].isnan(), exp[key].isnan()), (key, dt, got[key].isnan().sum(0))
+                assert got[key][:4].isfinite().all(), (key, dt)
+                errs.append(close(got[key][:4], exp[key][:4], dt))
+        return max(errs)
+
     @case("gelu-forms-not-swapped")
     def _():
         x = torch.linspace(-4, 4, 257).reshape(1, 257)
@@ -270,7 +290,8 @@ def _cases() -> dict:
 
 CASE_NAMES = [f"{k}-{d}" for k in ("add_layernorm", "layernorm_gelu", "linear_bias_gelu", "linear_residual",
                                    "linear_add_layernorm", "ffn", "attention", "rope") for d in DTYPES] + [
-    "attention-fully-masked-matches-sdpa", "layernorm-shifted-statistics-mean-1e4", "gelu-forms-not-swapped",
+    "attention-fully-masked-matches-sdpa", "layernorm-shifted-statistics-mean-1e4",
+    "layernorm-huge-and-non-finite-values", "gelu-forms-not-swapped",
     "registry-has-cuda-kernels"]
 
 

@@ -23,6 +23,8 @@ import torch
 from torch import fx
 
 from .args import arg
+from .meta import VIEW_OPS
+from .state import foldable, note_derived
 
 aten = torch.ops.aten
 
@@ -54,17 +56,45 @@ def _is_noop(node: fx.Node) -> bool:
     return False
 
 
+_VIEWS_NEEDING_STRIDES = {aten.view.default, aten._unsafe_view.default}
+
+
+def _same_strides(a: fx.Node, b: fx.Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape \
+        and va.stride() == vb.stride()
+
+
+def _droppable(node: fx.Node) -> bool:
+    """A no-op is dropped only where its input's layout serves every consumer: the same
+    strides, or (``x.permute(...).contiguous().view(...)``) consumers that are all
+    ``view``s, which then become ``reshape`` (a copy only where the strides need one).
+    Any other view-like consumer of a layout-changing copy keeps the copy."""
+    if node.target not in _IDENTITY or _same_strides(node, node.args[0]):
+        return True
+    users = list(node.users)
+    if users and all(u.op == "call_function" and u.target in _VIEWS_NEEDING_STRIDES and u.args[0] is node
+                     for u in users):
+        for u in users:
+            u.target = aten.reshape.default
+        return True
+    return not any(u.op == "call_function" and u.target in VIEW_OPS for u in users)
+
+
 def drop_noops(graph: fx.Graph) -> int:
     """Replace no-op nodes by their input, and drop export's metadata assertions
     (``_assert_tensor_metadata``: checks on a cast that canonicalisation may remove);
-    returns how many were removed."""
+    returns how many were removed. Values only: the captured graph is functional (see
+    :func:`opfuse.graph.capture.capture`), so a dropped ``clone`` never shares storage
+    with a later in-place write; layouts are kept where a ``view`` needs them
+    (:func:`_droppable`)."""
     removed = 0
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is aten._assert_tensor_metadata.default and not node.users:
             graph.erase_node(node)
             removed += 1
             continue
-        if node.op == "call_function" and _is_noop(node) and isinstance(node.args[0], fx.Node):
+        if node.op == "call_function" and _is_noop(node) and isinstance(node.args[0], fx.Node) and _droppable(node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             removed += 1
@@ -172,7 +202,7 @@ def addmm_to_linear(gm: fx.GraphModule) -> int:
         if node.op != "call_function" or node.target is not aten.addmm.default or node.kwargs:
             continue
         bias, mat1, weight = node.args[:3]
-        if not (isinstance(weight, fx.Node) and weight.op == "get_attr" and isinstance(mat1, fx.Node)
+        if not (isinstance(weight, fx.Node) and foldable(gm, weight) and isinstance(mat1, fx.Node)
                 and mat1.op == "call_function" and mat1.target in (aten.view.default, aten.reshape.default)):
             continue
         x = mat1.args[0]
@@ -187,6 +217,7 @@ def addmm_to_linear(gm: fx.GraphModule) -> int:
         name = "opfuse_t_" + weight.target.replace(".", "_")
         if not hasattr(gm, name):
             gm.register_buffer(name, obj.detach().t().contiguous())
+            note_derived(gm, name, [weight.target])
         with graph.inserting_before(out):
             wt = graph.get_attr(name)
             wt.meta["val"] = weight.meta["val"].new_empty((ws[1], ws[0]))

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from .state import changed_python_state, copy_inputs, is_mutating, python_state
+
 
 class CaptureError(RuntimeError):
     """Raised when torch.export cannot capture the model; the message names the cause."""
@@ -26,8 +28,13 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         args, kwargs: example inputs; their shapes are baked into the graph (export
             specialises view sizes), so other shapes need another capture.
     Returns:
-        ``ep.module()``: parameters and buffers are ``get_attr`` nodes, the only
-        placeholders are the user inputs.
+        ``ep.module()``: parameters and buffers are ``get_attr`` nodes (the model's own
+        tensors, shared), the only placeholders are the user inputs. A forward that
+        writes buffers or inputs in place is functionalised
+        (``ep.run_decompositions({})``: every op keeps its ATen form, each write becomes
+        a value plus one ``aten.copy_`` into the buffer or input at the end of the
+        graph), so no fused op can read across a write, and the writes happen exactly
+        once per call.
     Raises:
         CaptureError: when ``torch.export`` fails (unsupported Python control flow,
             data-dependent shapes...), with export's message.
@@ -37,6 +44,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     except Exception as exc:  # export raises many types; name the stage and the cause
         raise CaptureError(f"opfuse: torch.export could not capture {type(model).__name__}: "
                            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    if any(is_mutating(n) for n in ep.graph.nodes):
+        ep = ep.run_decompositions({})
     return ep.module()
 
 
@@ -58,3 +67,25 @@ def trace_function(fn: Any, example_args: tuple) -> fx.Graph:
         node.name = name
         node.target = name
     return graph
+
+
+def check_python_state(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Run ``model`` once eagerly (on copies of the inputs; the caller restores buffers)
+    and refuse it when its forward changes a plain Python attribute (``self.calls += 1``):
+    torch.export restores such attributes after tracing and bakes their example value into
+    the graph, so the captured program would silently differ from eager from the second
+    call on.
+
+    Raises:
+        CaptureError: naming every changed attribute (``path.attr: old -> new``); the
+            attributes are set back to their old values first.
+    """
+    before = python_state(model)
+    a, k = copy_inputs(args, kwargs)
+    with torch.no_grad():
+        model(*a, **k)
+    changed = changed_python_state(model, before)
+    if changed:
+        raise CaptureError(f"opfuse: the forward of {type(model).__name__} changes Python attributes "
+                           f"({'; '.join(changed)}); a captured graph would freeze them at their example "
+                           "values (keep such state in a registered buffer instead)")

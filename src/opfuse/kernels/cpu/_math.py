@@ -5,12 +5,16 @@ Python float literals are float64 in numba and would silently promote a loop, so
 constant is a module-level ``np.float32`` (numba freezes globals as typed constants).
 
 Fast-math policy (see shared/design/KERNELS.md):
-  * ``_REDUCE`` = full fastmath, only on loops that *sum* (reassociation lets LLVM keep
-    8-wide partial sums in ymm registers).
-  * ``_APPLY`` = fastmath WITHOUT ``reassoc``: elementwise loops vectorise without it,
+  * ``_REDUCE`` = ``reassoc`` (+ ``nsz``, ``contract``), only on loops that *sum*
+    (reassociation lets LLVM keep 8-wide partial sums in vector registers).
+  * ``_APPLY`` = ``nsz`` + ``contract`` only: elementwise loops vectorise without more,
     and reassociation would fold ``(x - shift) - mean`` into ``x - (shift + mean)``,
-    undoing the exact shift of the LayerNorm statistics. Also without ``arcp``: p / q
-    stays a true vdivps, measured ~5% faster than LLVM's rcp + Newton step here.
+    undoing the exact shift of the LayerNorm statistics. Without ``arcp``: p / q stays a
+    true division.
+  * Never ``nnan`` / ``ninf`` / ``afn``: they let LLVM assume no NaN/Inf and approximate
+    1/sqrt, and then NaN/±inf inputs and overflowing statistics gave other NaN positions
+    than eager (a whole NaN row where eager is finite). Every kernel's NaN/Inf positions
+    must equal eager's (tests/cpu/test_properties.py draws non-finite and huge values).
 Flags are per instruction, so they survive LLVM inlining one helper into another.
 
 erf:  rational minimax approximation p(x)/q(x), x clamped to [-4, 4] (erf(4) = 1 - 1.5e-8
@@ -34,12 +38,13 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-_REDUCE = True
-_APPLY = {"nnan", "ninf", "nsz", "contract", "afn"}  # no reassoc; no arcp: vdivps beats rcp+Newton here
+_REDUCE = {"reassoc", "nsz", "contract"}
+_APPLY = {"nsz", "contract"}  # no reassoc; no arcp: vdivps beats rcp+Newton here
 _JIT = dict(error_model="numpy", cache=True)
 
 _F0 = np.float32(0.0)
 _F1 = np.float32(1.0)
+_INF = np.float32(np.inf)
 _HALF = np.float32(0.5)
 
 # erf(x) ~= x * P(x^2) / Q(x^2) on [-4, 4]  (Eigen generic_fast_erf_float)
@@ -96,8 +101,11 @@ def erf_f32(x):
 
 @njit(fastmath=_APPLY, **_JIT)
 def tanh_f32(x):
-    """tanh(x) for a float32 scalar, a few ulp (rational interpolant, see module doc)."""
-    x = min(max(x, -_TANH_CLAMP), _TANH_CLAMP)
+    """tanh(x) for a float32 scalar, a few ulp (rational interpolant, see module doc);
+    exactly ±1 beyond the clamp, as float32 tanh is (so tanh-GELU(-inf) = -inf * 0 = NaN,
+    as eager's, not -inf)."""
+    if abs(x) >= _TANH_CLAMP:
+        return np.copysign(_F1, x)
     x2 = x * x
     p = x2 * _TANH_A13 + _TANH_A11
     p = x2 * p + _TANH_A9
@@ -189,8 +197,10 @@ def exp_f32(x):
 
 @njit(fastmath=_APPLY, **_JIT)
 def silu_f32(z):
-    """silu(z) = z * sigmoid(z) = z / (1 + e^-z); -> z for large z, -> -0 for very negative z."""
-    return z / (_F1 + exp_f32(-z))
+    """silu(z) = z * sigmoid(z) = z / (1 + e^-z); -> z for large z, -> -0 for very negative z,
+    NaN at z = -inf (-inf / inf, as eager: e^-z is taken as inf beyond exp's clamp)."""
+    e = exp_f32(-z) if z > -_EXP_HI else _INF
+    return z / (_F1 + e)
 
 
 @njit(fastmath=_APPLY, **_JIT)
@@ -207,20 +217,61 @@ def row_silu_mul(g, u, y):  # g, u: [H] f32 gate / up in; y: [H] f32 out; read 2
 
 
 @njit(fastmath=_REDUCE, **_JIT)
-def row_mean(y):  # y: [N] f32 shifted row; read N
+def row_sum(y):  # y: [N] f32; read N
     acc = _F0
     for j in range(y.shape[0]):
         acc += y[j]
-    return acc / np.float32(y.shape[0])
+    return acc
 
 
 @njit(fastmath=_REDUCE, **_JIT)
-def row_rstd(y, mean, eps):  # y: [N] f32 shifted row; read N
+def row_sum_scaled(y, c):  # y: [N] f32; sum of (c * y_j); read N
     acc = _F0
     for j in range(y.shape[0]):
-        d = y[j] - mean
+        acc += c * y[j]
+    return acc
+
+
+@njit(fastmath=_REDUCE, **_JIT)
+def row_sq_dev(y, mean, c):  # y: [N] f32; sum of (c * (y_j - mean))^2; read N
+    acc = _F0
+    for j in range(y.shape[0]):
+        d = c * (y[j] - mean)
         acc += d * d
-    return _F1 / np.sqrt(acc / np.float32(y.shape[0]) + eps)
+    return acc
+
+
+@njit(fastmath=_APPLY, **_JIT)
+def row_max_abs_dev(y, mean):  # y: [N] f32; max |y_j - mean| (NaN-free rows only); read N
+    m = _F0
+    for j in range(y.shape[0]):
+        m = max(m, abs(y[j] - mean))
+    return m
+
+
+@njit(**_JIT)
+def row_mean(y):  # y: [N] f32 shifted row; read N (twice if the sum overflows)
+    n = np.float32(y.shape[0])
+    acc = row_sum(y)
+    if abs(acc) == _INF:  # huge finite values: sum y_j / N instead (no overflow)
+        return row_sum_scaled(y, _F1 / n)
+    return acc / n
+
+
+@njit(**_JIT)
+def row_rstd(y, mean, eps):  # y: [N] f32 shifted row; read N (twice if the squares overflow)
+    # 1 / sqrt(var + eps). A finite row with |y_j - mean| >= ~1.8e19 overflows the float32
+    # squares: then the deviations are scaled by 1/m (m = max |y_j - mean|) before squaring,
+    # var = m^2 * mean((d/m)^2), 1/sqrt(var + eps) = (1/m) / sqrt(mean((d/m)^2) + eps/m^2),
+    # as eager's LayerNorm gives finite values there. No fast-math here: 1/sqrt(inf) is 0.
+    n = np.float32(y.shape[0])
+    acc = row_sq_dev(y, mean, _F1)
+    if acc == _INF and abs(mean) < _INF:
+        m = row_max_abs_dev(y, mean)
+        if m < _INF:
+            inv = _F1 / m
+            return inv / np.sqrt(row_sq_dev(y, mean, inv) / n + eps * inv * inv)
+    return _F1 / np.sqrt(acc / n + eps)
 
 
 @njit(fastmath=_APPLY, **_JIT)

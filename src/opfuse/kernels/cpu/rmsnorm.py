@@ -60,11 +60,13 @@ def round_bf16(v):
 @njit(fastmath=_math._APPLY, **_JIT)
 def round_f16(v):
     """float32 -> nearest float16 (ties to even, subnormals, overflow to inf), as float32."""
+    if v != v:  # NaN (any payload: 0x7FFFFFFF would carry into the sign bit below)
+        return v
     a = abs(v)
     if a < _F16_MIN_NORMAL:  # subnormal grid 2^-24: (v + 0.75) - 0.75 rounds exactly (no reassoc)
         return (v + _F16_SUBNORMAL_MAGIC) - _F16_SUBNORMAL_MAGIC
     if a >= _F16_OVERFLOW:
-        return v if a > _INF else np.copysign(_INF, v)  # NaN stays NaN
+        return np.copysign(_INF, v)
     u = _math.f32_bits(v)
     return _math.f32_from_bits((u + _F16_HALF + ((u >> 13) & 1)) & _F16_KEEP)
 
@@ -80,7 +82,7 @@ def row_round(y, round_to):  # y: [N] f32 in place; read N, write N (no-op for R
 
 
 @njit(fastmath=_math._REDUCE, **_JIT)
-def row_rms_rstd(x, eps):  # x: [N] f32; read N
+def row_sum_squares(x):  # x: [N] f32; read N
     n = x.shape[0]
     acc = 0.0  # float64 carry of the float32 block sums
     for b0 in range(0, n, _BLOCK):
@@ -88,7 +90,14 @@ def row_rms_rstd(x, eps):  # x: [N] f32; read N
         for j in range(b0, min(b0 + _BLOCK, n)):
             part += x[j] * x[j]
         acc += part
-    return _F1 / np.sqrt(np.float32(acc / n) + eps)
+    return acc
+
+
+@njit(**_JIT)
+def row_rms_rstd(x, eps):  # x: [N] f32; read N
+    # No fast-math on the rsqrt: as eager (x.pow(2).mean() in float32), squares that
+    # overflow give a variance of inf and 1/sqrt(inf) = 0 (a row of zeros, not NaN).
+    return _F1 / np.sqrt(np.float32(row_sum_squares(x) / x.shape[0]) + eps)
 
 
 @njit(fastmath=_math._APPLY, **_JIT)

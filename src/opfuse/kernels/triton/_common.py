@@ -72,3 +72,27 @@ def gelu(z, ACT: tl.constexpr):
         return z * tl.sigmoid(2.0 * u)  # 0.5 z (1 + tanh u) = z sigmoid(2u)
     else:
         return z
+
+
+@triton.jit
+def row_stats(y, valid, N):
+    """LayerNorm statistics of a shifted float32 row block ``y`` (masked lanes 0):
+    returns (d, inv, var_scaled) with d = y - mean, and var = mean(d^2) = var_scaled / inv^2
+    (see :func:`rstd_of`).
+
+    Overflow-safe like the CPU kernels (``kernels/cpu/_math.row_rstd``): the mean sums
+    y_j / N, and when max|d| = m reaches 1e18 (the float32 squares of values >= ~1.8e19
+    overflow) the squares are taken of d/m, so a finite row gives finite values, as
+    eager's LayerNorm does; otherwise inv = 1 and nothing changes."""
+    mean = tl.sum(y * (1.0 / N), axis=0)
+    d = tl.where(valid, y - mean, 0.0)
+    m = tl.max(tl.abs(d), axis=0)
+    inv = tl.where((m > 1e18) & (m < float("inf")), 1.0 / m, 1.0)
+    ds = d * inv
+    return d, inv, tl.sum(ds * ds, axis=0) / N
+
+
+@triton.jit
+def rstd_of(inv, var_scaled, eps):
+    """1/sqrt(var + eps) from :func:`row_stats`' scale and scaled variance."""
+    return inv / tl.sqrt(var_scaled + eps * inv * inv)

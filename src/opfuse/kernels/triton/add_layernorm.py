@@ -20,7 +20,7 @@ import triton.language as tl
 
 from opfuse.kernels.checks import check_add_layernorm
 from opfuse.kernels.registry import register
-from opfuse.kernels.triton._common import DEVICE_TYPE, row_block, row_warps
+from opfuse.kernels.triton._common import DEVICE_TYPE, row_block, row_warps, row_stats, rstd_of
 
 
 @triton.jit
@@ -49,9 +49,8 @@ def _add_layernorm_fwd_kernel(
     x0 = tl.load(X + row * stride_x).to(tl.float32)
     r0 = tl.load(R + row * stride_r).to(tl.float32)
     y = tl.where(valid, (x - x0) + (r - r0), 0.0)  # shifted sum, exact differences
-    mean = tl.sum(y, axis=0) / N
-    d = tl.where(valid, y - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / N + eps)
+    d, inv, var_scaled = row_stats(y, valid, N)  # overflow-safe statistics (_common.row_stats)
+    rstd = rstd_of(inv, var_scaled, eps)
     w = tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)  # read N (L2)
     out = d * rstd * w
     if HAS_BIAS:

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from opfuse.kernels.checks import check_layernorm_gelu
 from opfuse.kernels.registry import register
-from opfuse.kernels.triton._common import DEVICE_TYPE, act_of, gelu, row_block, row_warps
+from opfuse.kernels.triton._common import DEVICE_TYPE, act_of, gelu, row_block, row_warps, row_stats, rstd_of
 
 
 @triton.jit
@@ -40,9 +40,8 @@ def _layernorm_gelu_fwd_kernel(
     x = tl.load(X + row * stride_x + cols, mask=valid, other=0.0).to(tl.float32)  # read N
     x0 = tl.load(X + row * stride_x).to(tl.float32)
     y = tl.where(valid, x - x0, 0.0)  # shifted row, exact
-    mean = tl.sum(y, axis=0) / N
-    d = tl.where(valid, y - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / N + eps)
+    d, inv, var_scaled = row_stats(y, valid, N)  # overflow-safe statistics (_common.row_stats)
+    rstd = rstd_of(inv, var_scaled, eps)
     z = d * rstd * tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)  # read N (L2)
     if HAS_BIAS:
         z += tl.load(B + cols, mask=valid, other=0.0).to(tl.float32)  # read N (L2)
