@@ -37,15 +37,42 @@ class Plan:
 
 
 def legality(matches) -> list[Candidate]:
-    """Run each row's extra check on real shapes/values; illegal ones keep their reason."""
+    """Run each row's extra check on real shapes/values, then the kernel's own argument
+    check on the region's fake inputs (:func:`kernel_refusal`: dtypes of every operand,
+    shapes, devices); illegal ones keep their reason."""
     cands = []
     for m in matches:
         problem = m.pattern.check(m) if m.pattern.check else None
+        problem = problem or kernel_refusal(m)
         cand = Candidate(m)
         if problem:
             cand.legal, cand.reason = False, f"illegal ({m.pattern.name} anchored at {m.anchor.name}): {problem}"
         cands.append(cand)
     return cands
+
+
+def kernel_refusal(match) -> str | None:
+    """The ``ValueError`` the fused replacement's kernels raise on this region's inputs, or
+    None: the replacement runs once on the inputs' FakeTensors (``node.meta["val"]``), where
+    each opfuse op's fake runs the launchers' argument check
+    (:data:`opfuse.kernels.checks.OP_CHECKS`) — e.g. a bfloat16 branch added to a float32
+    residual before a LayerNorm."""
+    from torch._guards import detect_fake_mode
+
+    from .verify import fused_region_module
+    env = {n: n.meta.get("val") for n in match.inputs.values() if isinstance(n, fx.Node)}
+    fake_mode = detect_fake_mode([v for v in env.values() if isinstance(v, torch.Tensor)])
+    if fake_mode is None or any(v is None for v in env.values()):
+        return None
+    module, feeds = fused_region_module(match, env)
+    try:
+        with fake_mode, torch.no_grad():
+            module(*feeds)
+    except ValueError as exc:
+        return f"the {match.pattern.name} kernel refuses these operands: {exc}"
+    except Exception:  # anything else is not a refusal by argument check; verification runs it
+        return None
+    return None
 
 
 def cost(cands: list[Candidate], device: DeviceProfile) -> None:

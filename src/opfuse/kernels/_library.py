@@ -10,6 +10,8 @@ What custom_op gave and this keeps:
 * schema and ``torch.ops.opfuse.<name>.default`` overloads (FX graphs call those);
 * fake (meta) implementations via :func:`torch.library.register_fake`, so torch.export,
   FakeTensor propagation and ``torch.compile`` trace the ops;
+* empty inputs (a batch, sequence or feature dim of 0) return empty outputs of the fake
+  implementation's shapes and dtypes, as eager's ops do, instead of reaching a kernel;
 * no silent wrong gradients: opfuse ops are inference-only, and a call that autograd
   would have to differentiate (grad mode on and a tensor input that requires grad) raises
   :class:`RuntimeError` naming the op, instead of the autograd fallback's warning.
@@ -33,6 +35,15 @@ def _needs_grad(args) -> bool:
     return False
 
 
+def _empty_input(args) -> bool:
+    """The op's first tensor argument (x, q) has no elements: every output is empty too (a
+    batch, sequence or feature dim of 0), and the kernels' row loops would index row 0."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.numel() == 0
+    return False
+
+
 class LibraryOp:
     """``@LibraryOp.define(name, schema)`` on a Python function: defines ``opfuse::name``,
     registers the function as its kernel for every backend, and offers ``register_fake``
@@ -43,10 +54,14 @@ class LibraryOp:
         self._fn = fn
         LIB.define(f"{name}{schema}")
 
+        self._fake: Callable | None = None
+
         def kernel(*args):
             if _needs_grad(args):
                 raise RuntimeError(f"opfuse::{name} is inference-only (no backward): called with grad mode on "
                                    "and an input that requires grad; use torch.no_grad() or the unfused model")
+            if self._fake is not None and _empty_input(args):
+                return self._fake(*args)  # empty in, empty out: the fake's shapes and dtypes, as real tensors
             return fn(*args)
 
         LIB.impl(name, kernel, "CompositeExplicitAutograd")
@@ -62,7 +77,19 @@ class LibraryOp:
         return getattr(torch.ops.opfuse, self.name).default
 
     def register_fake(self, fake: Callable) -> Callable:
-        torch.library.register_fake(f"opfuse::{self.name}", fake, lib=LIB)
+        """Register ``fake`` (output shapes and dtypes), preceded by the op's argument check
+        (:data:`opfuse.kernels.checks.OP_CHECKS`): a fake run raises the ``ValueError`` the
+        kernel would raise, which is what legality relies on."""
+        from opfuse.kernels.checks import OP_CHECKS
+        check = OP_CHECKS[self.name]
+
+        def checked(*args):
+            device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+            check(*args, device_type=device)
+            return fake(*args)
+
+        torch.library.register_fake(f"opfuse::{self.name}", checked, lib=LIB)
+        self._fake = fake
         return fake
 
     def __call__(self, *args):

@@ -327,3 +327,71 @@ def check_rope_qk(
         raise ValueError(f"opfuse.{op}: k is on {k.device}, q on {q.device}")
     return (bsd, check_rope_table(op, "cos", cos, *bsd, device_type=device_type),
             check_rope_table(op, "sin", sin, *bsd, device_type=device_type))
+
+
+# --- ops without a backend-shared check above (their CPU launchers call these too) ------
+
+
+def check_rmsnorm(x: object, weight: object, *, device_type: DeviceType, op: str = "rmsnorm") -> int:
+    """x [..., N], weight [N] (its dtype may differ: HF multiplies it after the cast); returns N."""
+    check_tensor(op, "x", x, device_type=device_type)
+    check_tensor(op, "weight", weight, device_type=device_type)
+    return check_row_affine(op, x, weight, None)
+
+
+def check_add_rmsnorm(x: object, residual: object, weight: object, *, device_type: DeviceType) -> int:
+    """x, residual [..., N] of one dtype, weight [N]; returns N."""
+    op = "add_rmsnorm"
+    n = check_rmsnorm(x, weight, device_type=device_type, op=op)
+    check_tensor(op, "residual", residual, device_type=device_type)
+    check_same(op, x=x, residual=residual)
+    check_shape(op, "residual", residual, tuple(x.shape))
+    return n
+
+
+def check_swiglu(x: object, w_gate_up: object, hidden: int, *, device_type: DeviceType) -> tuple[int, int]:
+    """x [..., K], w_gate_up [2*hidden, K] of x's dtype; returns (K, hidden)."""
+    op = "swiglu"
+    check_tensor(op, "x", x, device_type=device_type)
+    check_tensor(op, "w_gate_up", w_gate_up, ndim_min=2, device_type=device_type)
+    if int(hidden) < 1:
+        raise ValueError(f"opfuse.{op}: hidden must be >= 1, got {hidden}")
+    k = x.shape[-1]
+    check_shape(op, "w_gate_up", w_gate_up, (2 * int(hidden), k))
+    check_same(op, x=x, w_gate_up=w_gate_up)
+    return k, int(hidden)
+
+
+def check_rope(x: object, cos: object, sin: object, layout: str, *, device_type: DeviceType):
+    """x [B, H, S, D]; cos / sin broadcastable to [B, 1, S, D]; returns ((B, S, D), cos shape, sin shape)."""
+    op = "rope"
+    bsd = check_rope_input(op, "x", x, layout, device_type=device_type)
+    return (bsd, check_rope_table(op, "cos", cos, *bsd, device_type=device_type),
+            check_rope_table(op, "sin", sin, *bsd, device_type=device_type))
+
+
+def _attention_call(q, k, v, mask, scale, is_causal, *, device_type):
+    b, h, _, sq, sk, _, _ = check_attention(q, k, v, device_type=device_type)
+    if mask is not None:
+        check_attention_mask(mask, q, (b, h, sq, sk), is_causal, device_type=device_type)
+
+
+#: ``torch.ops.opfuse.<name>`` argument list -> the check its launchers run; called by the
+#: ops' fake implementations too, so legality (a fake run of each fused region) and
+#: torch.export refuse what a kernel would refuse, before anything runs.
+OP_CHECKS = {
+    "add_layernorm": lambda x, r, w, b, eps, **d: check_add_layernorm(x, r, w, b, **d),
+    "add_layernorm_sum": lambda x, r, w, b, eps, **d: check_add_layernorm(x, r, w, b, **d),
+    "layernorm_gelu": lambda x, w, b, eps, a, **d: check_layernorm_gelu(x, w, b, a, **d),
+    "linear_bias_gelu": lambda x, w, b, a, **d: check_linear_bias_gelu(x, w, b, a, **d),
+    "linear_residual": lambda x, w, b, r, **d: check_linear_residual(x, w, b, r, **d),
+    "linear_add_layernorm": lambda x, w, b, r, lw, lb, eps, **d: check_linear_add_layernorm(x, w, b, r, lw, lb, **d),
+    "linear_add_layernorm_sum": lambda x, w, b, r, lw, lb, eps, **d: check_linear_add_layernorm(x, w, b, r, lw, lb, **d),
+    "ffn": lambda x, w1, b1, w2, b2, a, rows, **d: check_ffn(x, w1, b1, w2, b2, a, rows, **d),
+    "attention": _attention_call,
+    "rmsnorm": lambda x, w, eps, **d: check_rmsnorm(x, w, **d),
+    "add_rmsnorm": lambda x, r, w, eps, **d: check_add_rmsnorm(x, r, w, **d),
+    "swiglu": lambda x, w, hidden, **d: check_swiglu(x, w, hidden, **d),
+    "rope": lambda x, cos, sin, layout, **d: check_rope(x, cos, sin, layout, **d),
+    "rope_qk": lambda q, k, cos, sin, layout, **d: check_rope_qk(q, k, cos, sin, layout, **d),
+}

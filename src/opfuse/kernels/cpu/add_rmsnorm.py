@@ -20,9 +20,9 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.cpu import _math
-from opfuse.kernels.checks import check_same, check_shape
-from opfuse.kernels.cpu._launch import check_tensor, f32_rows, f32_vec, launch
-from opfuse.kernels.cpu.rmsnorm import ROUND_CODE, check_rms_args, row_rms_apply, row_rms_rstd, row_round
+from opfuse.kernels.checks import check_add_rmsnorm
+from opfuse.kernels.cpu._launch import f32_rows, f32_vec, launch
+from opfuse.kernels.cpu.rmsnorm import ROUND_CODE, row_rms_apply, row_rms_rstd, row_round
 from opfuse.kernels.registry import register
 
 
@@ -48,11 +48,7 @@ def add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual), x + residual); x, residual [..., N], weight [N]."""
-    op = "add_rmsnorm"
-    n = check_rms_args(op, x, weight)
-    check_tensor(op, "residual", residual)
-    check_same(op, x=x, residual=residual)
-    check_shape(op, "residual", residual, tuple(x.shape))
+    n = check_add_rmsnorm(x, residual, weight, device_type="cpu")
 
     x2, r2 = f32_rows(x, n), f32_rows(residual, n)  # [M, N]
     out = np.empty_like(x2)  # [M, N]

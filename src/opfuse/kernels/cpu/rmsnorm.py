@@ -23,8 +23,8 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.cpu import _math
-from opfuse.kernels.checks import check_row_affine
-from opfuse.kernels.cpu._launch import check_tensor, f32_rows, f32_vec, launch
+from opfuse.kernels.checks import check_rmsnorm
+from opfuse.kernels.cpu._launch import f32_rows, f32_vec, launch
 from opfuse.kernels.registry import register
 
 _JIT = dict(error_model="numpy", cache=True)
@@ -121,17 +121,10 @@ def _rmsnorm_kernel(x, w, eps, out, round_to):
         row_rms_apply(x[i], rstd, w, out[i], round_to)  # read 2N, write N
 
 
-def check_rms_args(op: str, x: torch.Tensor, weight: torch.Tensor) -> int:
-    """Validate x [..., N] and weight [N]; return N."""
-    check_tensor(op, "x", x)
-    check_tensor(op, "weight", weight)
-    return check_row_affine(op, x, weight, None)
-
-
 @register("rmsnorm", "cpu")
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim; x [..., N], weight [N] -> [..., N] of promote(x, weight) dtype."""
-    n = check_rms_args("rmsnorm", x, weight)
+    n = check_rmsnorm(x, weight, device_type="cpu")
     x2 = f32_rows(x, n)  # [M, N]
     out = np.empty_like(x2)  # [M, N]
     launch(_rmsnorm_kernel, x2.size)(x2, f32_vec(weight, n), np.float32(eps), out, ROUND_CODE[x.dtype])

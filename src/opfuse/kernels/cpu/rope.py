@@ -35,7 +35,7 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.checks import ROPE_LAYOUTS as LAYOUTS  # noqa: F401  (re-exported)
-from opfuse.kernels.checks import check_rope_input, check_rope_qk, check_rope_table
+from opfuse.kernels.checks import check_rope, check_rope_qk
 from opfuse.kernels.cpu import _math
 from opfuse.kernels.cpu._launch import f32, launch
 from opfuse.kernels.registry import register
@@ -100,10 +100,8 @@ def _out_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.d
 @register("rope", "cpu")
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
     """x * cos + R(x) * sin; x [B, H, S, D], cos / sin broadcastable to [B, 1, S, D]."""
-    op = "rope"
-    b, s, d = check_rope_input(op, "x", x, layout, device_type="cpu")
-    cos3 = _table(cos, check_rope_table(op, "cos", cos, b, s, d, device_type="cpu"), s, d)  # [Bc, S, D]
-    sin3 = _table(sin, check_rope_table(op, "sin", sin, b, s, d, device_type="cpu"), s, d)  # [Bs, S, D]
+    (b, s, d), cos_shape, sin_shape = check_rope(x, cos, sin, layout, device_type="cpu")
+    cos3, sin3 = _table(cos, cos_shape, s, d), _table(sin, sin_shape, s, d)  # [Bc, S, D], [Bs, S, D]
     return _rotate(x, cos3, sin3, layout, _out_dtype(x, cos, sin))
 
 

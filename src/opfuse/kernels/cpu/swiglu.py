@@ -17,8 +17,8 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.cpu import _gemm, _math
-from opfuse.kernels.checks import check_same, check_shape
-from opfuse.kernels.cpu._launch import check_tensor, f32, launch
+from opfuse.kernels.checks import check_swiglu
+from opfuse.kernels.cpu._launch import f32, launch
 from opfuse.kernels.registry import register
 
 
@@ -33,15 +33,7 @@ def _swiglu_kernel(h, out):
 @register("swiglu", "cpu")
 def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, hidden: int) -> torch.Tensor:
     """silu(x @ W_gate.T) * (x @ W_up.T); x [..., K], w_gate_up [2*hidden, K] -> [..., hidden]."""
-    op = "swiglu"
-    check_tensor(op, "x", x)
-    check_tensor(op, "w_gate_up", w_gate_up, ndim_min=2)
-    if int(hidden) < 1:
-        raise ValueError(f"opfuse.{op}: hidden must be >= 1, got {hidden}")
-    hidden = int(hidden)
-    k = x.shape[-1]
-    check_shape(op, "w_gate_up", w_gate_up, (2 * hidden, k))
-    check_same(op, x=x, w_gate_up=w_gate_up)
+    k, hidden = check_swiglu(x, w_gate_up, hidden, device_type="cpu")
 
     x2 = f32(x).reshape(-1, k)  # [M, K]
     h = torch.empty((x2.shape[0], 2 * hidden), dtype=torch.float32)  # [M, 2H] = [g | u]

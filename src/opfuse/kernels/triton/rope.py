@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from opfuse.kernels.checks import check_rope_input, check_rope_qk, check_rope_table
+from opfuse.kernels.checks import check_rope, check_rope_qk
 from opfuse.kernels.registry import register
 from opfuse.kernels.triton._common import DEVICE_TYPE, row_block, row_warps
 
@@ -101,10 +101,8 @@ def _out_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.d
 @register("rope", "cuda")
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
     """x * cos + R(x) * sin; x [B, H, S, D], cos / sin broadcastable to [B, 1, S, D]."""
-    op = "rope"
-    b, s, d = check_rope_input(op, "x", x, layout, device_type=DEVICE_TYPE)
-    c3 = _table(cos, check_rope_table(op, "cos", cos, b, s, d, device_type=DEVICE_TYPE), b, s, d)
-    s3 = _table(sin, check_rope_table(op, "sin", sin, b, s, d, device_type=DEVICE_TYPE), b, s, d)
+    (b, s, d), cos_shape, sin_shape = check_rope(x, cos, sin, layout, device_type=DEVICE_TYPE)
+    c3, s3 = _table(cos, cos_shape, b, s, d), _table(sin, sin_shape, b, s, d)
     return _rotate(x, c3, s3, layout, _out_dtype(x, cos, sin))
 
 
