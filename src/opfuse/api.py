@@ -8,7 +8,7 @@ import torch
 
 from . import pipeline
 from .graph.meta import tensor_values
-from .graph.state import mutated_targets
+from .graph.capture import CaptureError, PythonStateError
 from .report.data import FusionReport
 
 
@@ -183,17 +183,31 @@ class FusedModule(torch.nn.Module):
         key = _signature(args, kwargs)
         plan = self._plans.get(key)
         if plan is None:
-            plan = pipeline.run(self._model[0], args, kwargs, **self._options)
+            plan = self._plan(args, kwargs)
             _share_folded(plan.gm, [p.gm for p in self._plans.values()])
             self._plans[key] = plan
             if len(self._plans) > self._max_plans:
                 self._plans.popitem(last=False)
             if self.report is None:
                 self.report = plan.report
-            self._live = self._live | mutated_targets(plan.gm.graph)["buffers"]
-            self._derived = self._derived | {s for srcs in plan.gm.meta.get("opfuse_derived", {}).values() for s in srcs}
+            self._live = self._live | plan.writes
+            self._derived = self._derived | plan.derived
             self._arm_guards()  # after planning: versions as planning left them
         return plan
+
+    def _plan(self, args: tuple, kwargs: dict):
+        """The whole model captured and planned; where torch.export cannot capture it as a
+        whole (and ``capture="auto"`` without ``strict``), dynamo's pieces, each planned
+        (:func:`opfuse.partial.plan_in_pieces`), with the reason in ``report.capture``."""
+        options = {k: v for k, v in self._options.items() if k != "capture"}
+        try:
+            return pipeline.run(self._model[0], args, kwargs, **options)
+        except CaptureError as exc:
+            if self._options.get("capture", "auto") != "auto" or options.get("strict") \
+                    or isinstance(exc, PythonStateError):
+                raise
+            from .partial import plan_in_pieces
+            return plan_in_pieces(self._model[0], args, kwargs, str(exc), options)
 
     def forward(self, *args, **kwargs):
         plan = self.plan_for(args, kwargs)
@@ -203,7 +217,7 @@ class FusedModule(torch.nn.Module):
 
 def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, device=None,
              verify: bool = True, strict: bool = False, example_kwargs: dict | None = None,
-             name: str | None = None, gemm: str | None = None) -> FusedModule:
+             name: str | None = None, gemm: str | None = None, capture: str = "auto") -> FusedModule:
     """Capture, match, cost, select, verify and rewrite ``model``.
 
     Args:
@@ -218,12 +232,18 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
             (default, or ``OPFUSE_GEMM``) measures each float32 CPU GEMM shape once and
             keeps the fastest of eager's layout, a pre-transposed weight and oneDNN;
             ``"aten"`` keeps eager's GEMMs.
+        capture: ``"auto"`` (default): the whole model through ``torch.export``, and where
+            that fails, dynamo's pieces (graph breaks at what export cannot capture), each
+            fused, the rest run eagerly, the reason in ``report.capture``; ``"whole"``:
+            raise :class:`~opfuse.graph.capture.CaptureError` instead (also under ``strict``).
     Returns:
         :class:`FusedModule` whose outputs equal ``model(*inputs)`` within the dtype tolerance
         (:data:`opfuse.verify.TOLERANCE`); ``.report`` is the :class:`FusionReport`.
     Raises:
-        OptimizeError: bad input (training mode, not a module, inputs not a tuple, unknown gemm mode).
-        opfuse.graph.capture.CaptureError: torch.export failed.
+        OptimizeError: bad input (training mode, not a module, inputs not a tuple, unknown gemm
+            or capture mode).
+        opfuse.graph.capture.CaptureError: torch.export failed and ``capture="whole"`` or
+            ``strict``; or the forward changes a plain Python attribute (never captured).
     """
     kwargs = dict(example_kwargs or {})
     _check_inputs(model, example_inputs, kwargs)
@@ -232,7 +252,10 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
         check_mode(gemm)
     except ValueError as exc:
         raise OptimizeError(str(exc)) from None
-    fused = FusedModule(model, dict(theta=theta, device=device, verify=verify, strict=strict, name=name, gemm=gemm))
+    if capture not in ("auto", "whole"):
+        raise OptimizeError(f"opfuse: capture must be 'auto' or 'whole', got {capture!r}")
+    fused = FusedModule(model, dict(theta=theta, device=device, verify=verify, strict=strict, name=name, gemm=gemm,
+                                    capture=capture))
     fused.plan_for(tuple(example_inputs), kwargs)
     return fused
 

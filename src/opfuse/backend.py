@@ -152,8 +152,8 @@ class CompiledGraph:
         user = tuple(a for i, a in enumerate(args) if i not in self.static)
         try:
             bound = _Bound(self.gm, static, len(args)).eval()
-            return optimize(bound, user, name=self.options.get("name", "dynamo graph"),
-                            **{k: v for k, v in self.options.items() if k in ("theta", "device", "verify")})
+            return optimize(bound, user, name=self.options.get("name", "dynamo graph"), capture="whole",
+                            **{k: v for k, v in self.options.items() if k in ("theta", "device", "verify", "gemm")})
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else ""
             self._record(key, f"opfuse.optimize failed: {type(exc).__name__}: {first}")

@@ -29,11 +29,15 @@ from .verify import model_error, verify_regions
 @dataclass
 class Plan:
     """The captured module (rewritten; for ``explain`` canonicalised but not rewritten),
-    its report and the candidates."""
+    its report and the candidates, with what the runtime guards need: ``writes``, the
+    buffers the program itself writes (never a reason to re-plan), and ``derived``, the
+    model tensors a folded copy was made from (guarded by version or fingerprint)."""
 
     gm: fx.GraphModule
     report: FusionReport
     candidates: list[Candidate]
+    writes: frozenset = frozenset()
+    derived: frozenset = frozenset()
 
 
 def legality(matches) -> list[Candidate]:
@@ -160,7 +164,8 @@ def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph
                 tag = (c.match.pattern.name,)
                 planned.update({n: tag for n in c.match.region})
         report.ops_after = op_sequence(gm.graph, block, planned)
-    return Plan(gm, report, cands)
+    derived = frozenset(src for srcs in gm.meta.get("opfuse_derived", {}).values() for src in srcs)
+    return Plan(gm, report, cands, writes=frozenset(mutated_targets(gm.graph)["buffers"]), derived=derived)
 
 
 def _device_of(args, kwargs) -> torch.device:

@@ -206,3 +206,73 @@ def test_legality_fake_run_refuses_what_the_kernel_refuses():
         x = mode.from_tensor(torch.randn(4, 8))
         OP.add_rmsnorm(x, x.to(torch.bfloat16), x[0], 1e-6)
     assert VerificationError  # imported for the strict case above
+
+
+# --- 8. whole-model capture fails: pieces -------------------------------------------------
+
+_LIB = torch.library.Library("opfuse_test_user", "DEF")  # noqa: TOR901
+_LIB.define("scale2(Tensor x) -> Tensor")
+_LIB.impl("scale2", lambda x: x * 2, "CPU")  # a user's custom op without a fake implementation
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.ln = torch.nn.Linear(32, 32), torch.nn.LayerNorm(32)
+
+    def forward(self, x):
+        return self.ln(self.lin(x) + x)
+
+
+class DataDependent(torch.nn.Module):
+    """Python control flow on a tensor value: torch.export cannot capture it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _Block(), _Block()
+
+    def forward(self, x):
+        h = self.a(x)
+        if x.sum() > 0:
+            h = h * 2
+        return self.b(h)
+
+
+class CustomOpNoFake(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _Block(), _Block()
+
+    def forward(self, x):
+        return self.b(torch.ops.opfuse_test_user.scale2(self.a(x)))
+
+
+@pytest.mark.parametrize("cls,why", [(DataDependent, "data-dependent"), (CustomOpNoFake, "scale2")])
+def test_model_export_cannot_capture_is_fused_in_pieces(cls, why):
+    torch.manual_seed(0)
+    model = cls().eval()
+    x = torch.randn(4, 32)
+    fused = opfuse.optimize(model, (x,))
+    cap = fused.report.capture
+    assert cap["mode"] == "pieces" and cap["pieces"] >= 2 and why in cap["reason"].lower(), cap
+    assert fused.report.counts() == {"linear_add_layernorm": 2}  # both blocks fused, in their pieces
+    assert fused.report.max_error is not None and fused.report.max_error < 1e-5
+    assert "Captured in pieces" in str(fused.report) and fused.report.to_dict()["capture"]["mode"] == "pieces"
+    for inp in (x, -x, torch.randn(7, 32)):  # both branches; another shape
+        with torch.no_grad():
+            torch.testing.assert_close(fused(inp), model(inp), rtol=1e-5, atol=1e-5)
+
+
+def test_pieces_refused_under_strict_and_capture_whole():
+    from opfuse.graph.capture import CaptureError
+    model, x = DataDependent().eval(), torch.randn(4, 32)
+    for kw in ({"strict": True}, {"capture": "whole"}):
+        with pytest.raises(CaptureError, match="could not capture DataDependent"):
+            opfuse.optimize(model, (x,), **kw)
+    with pytest.raises(opfuse.OptimizeError, match="capture must be"):
+        opfuse.optimize(model, (x,), capture="pieces")
+
+
+def test_whole_model_capture_says_so():
+    fused = opfuse.optimize(_Block().eval(), (torch.randn(4, 32),))
+    assert fused.report.capture == {"mode": "whole"} and "Captured in pieces" not in str(fused.report)

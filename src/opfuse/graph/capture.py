@@ -20,6 +20,11 @@ class CaptureError(RuntimeError):
     """Raised when torch.export cannot capture the model; the message names the cause."""
 
 
+class PythonStateError(CaptureError):
+    """The forward changes a plain Python attribute: no captured graph (whole or in dynamo's
+    pieces, which would recompile for every new value) replays that; raised, never fused."""
+
+
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> fx.GraphModule:
     """Export ``model(*args, **kwargs)`` to an ATen ``fx.GraphModule``.
 
@@ -77,7 +82,7 @@ def check_python_state(model: torch.nn.Module, args: tuple, kwargs: dict) -> Non
     call on.
 
     Raises:
-        CaptureError: naming every changed attribute (``path.attr: old -> new``); the
+        PythonStateError: naming every changed attribute (``path.attr: old -> new``); the
             attributes are set back to their old values first.
     """
     before = python_state(model)
@@ -86,6 +91,6 @@ def check_python_state(model: torch.nn.Module, args: tuple, kwargs: dict) -> Non
         model(*a, **k)
     changed = changed_python_state(model, before)
     if changed:
-        raise CaptureError(f"opfuse: the forward of {type(model).__name__} changes Python attributes "
+        raise PythonStateError(f"opfuse: the forward of {type(model).__name__} changes Python attributes "
                            f"({'; '.join(changed)}); a captured graph would freeze them at their example "
                            "values (keep such state in a registered buffer instead)")

@@ -56,6 +56,9 @@ class FusionReport:
     respelled: dict[str, int] = field(default_factory=dict)  # hand-written spellings -> ATen op
     block_graph: dict = field(default_factory=dict)   # report.graph.graph_summary of one block
     gemm: list[dict] = field(default_factory=list)    # opfuse.gemm.GemmChoice per GEMM node (asdict)
+    # how the model was captured: {"mode": "whole"}, or (opfuse.partial) {"mode": "pieces",
+    # "reason": why torch.export refused the whole model, "pieces": n, "unfused": [why per piece]}
+    capture: dict = field(default_factory=lambda: {"mode": "whole"})
 
     @property
     def fused(self) -> list[RegionRecord]:
@@ -91,6 +94,7 @@ class FusionReport:
             "ops_before": list(self.ops_before), "ops_after": list(self.ops_after),
             "respelled": dict(self.respelled),
             "gemm": list(self.gemm),
+            "capture": dict(self.capture),
         }
 
     def to_json(self, path=None) -> str:

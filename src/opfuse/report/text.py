@@ -100,6 +100,12 @@ def render(report, limit: int | None = 40, block_only: bool = True) -> Group:
     """Header, op sequence of one block before/after, regions (of the first repeated block
     unless ``block_only`` is False), per-pattern totals, traffic totals, near misses."""
     parts = [header_text(report)]
+    if report.capture.get("mode") == "pieces":
+        c = report.capture
+        parts.append(Text.assemble(("Captured in pieces: ", "bold yellow"),
+                                   f"torch.export could not capture the whole model ({c['reason']}); dynamo split "
+                                   f"it into {c['pieces']} graph(s), each fused on its own, the code between them "
+                                   "runs eagerly" + ("; run unfused: " + "; ".join(c["unfused"]) if c["unfused"] else "")))
     first = next((r.block for r in report.regions if r.block), "")
     if report.ops_before:
         parts.append(Text.assemble((f"one block ({first or 'whole graph'}) before: ", "bold"),
