@@ -46,6 +46,8 @@ _REGISTRATIONS = [0]
 
 
 def _count_registration(*_args) -> None:
+    if torch.compiler.is_compiling():  # a module built inside a traced forward (HF caches) is
+        return  # no change of the model, and a counter dynamo sees would make it recompile every call
     _REGISTRATIONS[0] += 1
 
 

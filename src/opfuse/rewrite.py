@@ -60,10 +60,36 @@ def rewrite_region(gm: fx.GraphModule, match, replaced: dict) -> list[fx.Node]:
         new.meta["val"] = old.meta.get("val")
         old.replace_all_uses_with(new)
         replaced[old] = new
+        relax_views(new)
     for node in reversed(list(graph.nodes)):
         if node in region and not node.users:
             graph.erase_node(node)
     return news
+
+
+_STRIDED_VIEWS = {aten.view.default, aten._unsafe_view.default}
+
+
+def relax_views(node: fx.Node) -> int:
+    """Turn every ``view`` reached from ``node`` through view-like ops into ``reshape``.
+
+    A fused op's output layout can differ from the op it replaces (ATen's CPU SDPA returns
+    [B, H, S, D] laid out as [B, S, H, D], so ``transpose(1, 2)`` of it is contiguous and
+    export recorded a plain ``view`` after it; opfuse's attention returns contiguous
+    [B, H, S, D]). ``reshape`` is that ``view`` where the strides allow, one copy where
+    they do not. Returns how many nodes changed."""
+    from .graph.meta import VIEW_OPS
+    changed, todo, seen = 0, list(node.users), set()
+    while todo:
+        user = todo.pop()
+        if user in seen or user.op != "call_function" or user.target not in VIEW_OPS | _STRIDED_VIEWS:
+            continue
+        seen.add(user)
+        if user.target in _STRIDED_VIEWS:
+            user.target = aten.reshape.default
+            changed += 1
+        todo += list(user.users)
+    return changed
 
 
 def fold_parameter_concats(gm: fx.GraphModule) -> int:
