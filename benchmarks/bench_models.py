@@ -25,7 +25,7 @@ def main() -> int:
     ap.add_argument("models", nargs="*", help="minilm, bert-base, gpt2, llama (default: minilm bert-base)")
     ap.add_argument("--all", action="store_true", help="also bert-base 1x512 eager, gpt2 1x256, llama 1x256")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--against", default="eager,opfuse-aten,inductor,ort")
+    ap.add_argument("--against", default="eager,opfuse-aten,inductor,ort,openvino")
     ap.add_argument("--amdahl", action="store_true")
     ap.add_argument("--repeat", type=int, default=20)
     ns = ap.parse_args()

@@ -169,7 +169,9 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--all", action="store_true", help="list every region")
     b = sub.add_parser("bench", help="latency of opfuse vs eager, torch.compile and ONNX Runtime on MODEL")
     b.add_argument("model", help="minilm, bert-base, gpt2, llama (or any name opfuse.models.load knows)")
-    b.add_argument("--against", default="eager,inductor,ort", help="comma list of eager, opfuse-aten (opfuse with eager's GEMMs), inductor, ort")
+    b.add_argument("--against", default="eager,inductor,ort,openvino",
+                   help="comma list of eager, opfuse-aten (opfuse with eager's GEMMs), inductor, ort (brings ort-opt), "
+                        "openvino (f32; brings openvino-default, the device's default precision)")
     b.add_argument("--threads", type=int, default=1)
     b.add_argument("--batch", type=int, default=None, help="default per model (minilm 8, others 1)")
     b.add_argument("--seq", type=int, default=None, help="default per model (128 or 256)")

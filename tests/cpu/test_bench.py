@@ -66,6 +66,36 @@ def test_bench_model_rows(fake_measure):
     for key in ("cpu", "logical_cpus", "versions", "loadavg_start", "loadavg_end"):
         assert key in r["machine"]
     assert r["device_profile"]["cache_bandwidth"] == 50e9
+    floor = r["gemm_floor"]
+    assert floor["gemm_flops"] > 0 and floor["floor_ms"] > 0 and set(floor["gemm_rates_flops"]) >= {"aten"}
+    assert rows["opfuse"]["vs_gemm_floor"] > 0.5  # nothing runs much below the floor
+
+
+def test_gemm_flops_count_linears_and_sdpa():
+    from opfuse.bench.models import gemm_flops
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 16)
+
+        def forward(self, x, q):
+            return self.lin(x), torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    flops = gemm_flops(Two().eval(), (torch.randn(3, 8), torch.randn(1, 2, 5, 4)))
+    assert flops == 2 * 3 * 8 * 16 + 4 * 2 * 5 * 5 * 4
+
+
+def test_openvino_peers_or_a_reason():
+    from opfuse.models import load
+    loaded = load("bert-tiny", batch=1, seq=16)
+    peers = bp.build_openvino(loaded.model, loaded.args, 1)
+    assert [p.name for p in peers] == ["openvino", "openvino-default"]
+    for p in peers:
+        if p.fn is None:  # not installed / conversion failed: the reason is reported, never dropped
+            assert p.error
+        else:
+            ref = loaded.model(*loaded.args).last_hidden_state
+            torch.testing.assert_close(p.fn(), ref, rtol=1e-3, atol=1e-3)
 
 
 def test_failed_export_is_reported(monkeypatch):

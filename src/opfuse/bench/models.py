@@ -2,8 +2,10 @@
 input shape, one process, interleaved medians after warm-up.
 
 Per peer: cold optimize/compile/export time, median latency, speed-up vs eager
-(eager median / peer median), max |Δ| of the first output vs eager, or the reason it
-failed. Optional: the Amdahl table (``amdahl=True``) and the θ sweep.
+(eager median / peer median), the ratio to the GEMM floor (the model's GEMM FLOPs at the
+machine's best measured float32 GEMM rate: the time no float32 system can beat on this
+core count), max |Δ| of the first output vs eager, or the reason it failed. Optional: the
+Amdahl table (``amdahl=True``) and the θ sweep.
 """
 
 from __future__ import annotations
@@ -32,6 +34,43 @@ def set_threads(threads: int) -> None:
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     except Exception:  # noqa: BLE001  numba threading layer unavailable: kernels run as they are
         pass
+
+
+def gemm_flops(model, args) -> int | None:
+    """GEMM FLOPs of one forward (2·M·N·K per linear / matmul / bmm; the two GEMMs of each
+    SDPA call, 4·B·H·Sq·Sk·D), counted on the captured unfused graph; None when it cannot
+    be captured whole."""
+    from opfuse.graph.capture import CaptureError, capture
+    from opfuse.graph.meta import node_flops, node_value
+    aten = torch.ops.aten
+    try:
+        gm = capture(model, tuple(args), {})
+    except CaptureError:
+        return None
+    total = 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target in (aten.linear.default, aten.addmm.default, aten.mm.default, aten.matmul.default,
+                        aten.bmm.default):
+            total += node_flops(n)
+        elif n.target is aten.scaled_dot_product_attention.default:
+            q, k = node_value(n.args[0]), node_value(n.args[1])
+            total += 4 * q.shape[:-2].numel() * q.shape[-2] * k.shape[-2] * q.shape[-1]
+    return total
+
+
+def best_gemm_rate(n: int = 1024) -> dict:
+    """float32 FLOP/s of an n³ GEMM through each library torch reaches (aten ``mm`` — MKL or
+    OpenBLAS — and oneDNN's inner product), best of a few runs, current thread count."""
+    a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+    rates = {"aten": 2 * n ** 3 / interleaved({"f": lambda: torch.mm(a, b, out=c)}, repeat=5, warmup=1)["f"]["min_s"]}
+    try:
+        f = lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")  # noqa: E731
+        rates["onednn"] = 2 * n ** 3 / interleaved({"f": f}, repeat=5, warmup=1)["f"]["min_s"]
+    except Exception:  # noqa: BLE001  no oneDNN in this torch build
+        pass
+    return rates
 
 
 def bench_model(name: str, against=("inductor", "ort"), threads: int = 1, batch: int | None = None,
@@ -67,6 +106,10 @@ def bench_model(name: str, against=("inductor", "ort"), threads: int = 1, batch:
     log(f"timing {', '.join(p.name for p in ok)} ({repeat} interleaved rounds)")
     times = interleaved({p.name: p.fn for p in ok}, repeat=repeat, warmup=3)
     eager = times["eager"]["median_s"]
+    rates = best_gemm_rate()
+    flops = gemm_flops(model, args)
+    floor_s = flops / max(rates.values()) if flops else None
+    result["gemm_floor"] = {"gemm_flops": flops, "gemm_rates_flops": rates, "floor_ms": 1e3 * floor_s if floor_s else None}
     rows = []
     for p in peers:
         t = times.get(p.name)
@@ -75,6 +118,7 @@ def bench_model(name: str, against=("inductor", "ort"), threads: int = 1, batch:
             "cold_s": p.cold_s, "median_ms": 1e3 * t["median_s"] if t else None,
             "iqr_ms": 1e3 * t["iqr_s"] if t else None, "n": t["n"] if t else 0,
             "speedup_vs_eager": eager / t["median_s"] if t else None,
+            "vs_gemm_floor": t["median_s"] / floor_s if t and floor_s else None,
             "max_abs_diff": p.detail.get("max_abs_diff"),
             "notes": {k: v for k, v in p.detail.items() if k not in ("module", "max_abs_diff")},
         })
@@ -98,11 +142,16 @@ def peers_table(result: dict):
     table = Table(title=(f"{result['model']} {result['batch']}x{result['seq']} ({result['attn']} attention), "
                          f"{result['threads']} thread(s), median of {result['repeat']} interleaved runs — "
                          f"{m['cpu']}, load {m['loadavg_start']} → {m.get('loadavg_end')}"))
-    for col in ("peer", "status", "cold s", "median ms", "IQR ms", "vs eager", "max |Δ| vs eager", "notes"):
+    floor = result.get("gemm_floor", {})
+    if floor.get("floor_ms"):
+        table.caption = (f"GEMM floor {floor['floor_ms']:.2f} ms = {floor['gemm_flops'] / 1e9:.2f} GFLOP at the best "
+                         "measured float32 GEMM rate (" + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in
+                                                                     floor["gemm_rates_flops"].items()) + " GFLOP/s)")
+    for col in ("peer", "status", "cold s", "median ms", "IQR ms", "vs eager", "× floor", "max |Δ| vs eager", "notes"):
         table.add_column(col, justify="left" if col in ("peer", "status", "notes") else "right")
     for r in result["peers"]:
         if r["status"] != "ok":
-            table.add_row(r["peer"], "[red]failed[/]", "", "", "", "", "", r["error"] or "")
+            table.add_row(r["peer"], "[red]failed[/]", "", "", "", "", "", "", r["error"] or "")
             continue
         notes = r["notes"]
         note = " ".join(f"{k}:{v}" for k, v in notes.get("fused", {}).items()) if isinstance(notes.get("fused"), dict) else ""
@@ -111,7 +160,8 @@ def peers_table(result: dict):
         if notes.get("export"):
             note = f"{notes['export']} {note}".strip()
         table.add_row(r["peer"], "ok", f"{r['cold_s']:.1f}", f"{r['median_ms']:.2f}", f"{r['iqr_ms']:.2f}",
-                      f"{r['speedup_vs_eager']:.2f}x", f"{r['max_abs_diff']:.1e}", note)
+                      f"{r['speedup_vs_eager']:.2f}x", f"{r['vs_gemm_floor']:.2f}" if r.get("vs_gemm_floor") else "",
+                      f"{r['max_abs_diff']:.1e}", note)
     return table
 
 

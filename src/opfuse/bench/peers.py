@@ -10,6 +10,10 @@ and is shown as failed, never dropped.
     inductor   torch.compile(model) (default mode); cold time = first call
     ort        torch.onnx.export (dynamo=False first, then dynamo=True) + ONNX Runtime, ORT_ENABLE_ALL
     ort-opt    the same ONNX file through onnxruntime.transformers.optimizer.optimize_model
+    openvino   openvino.convert_model(model, example_input) on the CPU device, one stream, the
+               same thread count, INFERENCE_PRECISION_HINT f32
+    openvino-default  the same converted model at the device's default precision (bf16 on
+               CPUs with native bf16, f32 elsewhere; the precision it ran is in the notes)
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-PEERS = ("eager", "opfuse", "opfuse-aten", "inductor", "ort", "ort-opt")
+PEERS = ("eager", "opfuse", "opfuse-aten", "inductor", "ort", "ort-opt", "openvino", "openvino-default")
 # onnxruntime.transformers.optimizer model_type per opfuse model family
 ORT_MODEL_TYPE = {"minilm": "bert", "bert": "bert", "gpt2": "gpt2", "llama": "gpt2", "vit": "vit"}
 
@@ -181,9 +185,50 @@ def build_ort(model, args, family: str, threads: int, workdir: str | None = None
     return peers
 
 
+def build_openvino(model, args, threads: int) -> list[Peer]:
+    """The ``openvino`` (f32) and ``openvino-default`` peers, from one conversion."""
+    names = ("openvino", "openvino-default")
+    try:
+        import openvino as ov
+    except ImportError as exc:
+        return [Peer(n, error=f"openvino not installed ({exc}); pip install 'opfuse[bench]'") for n in names]
+    t = time.perf_counter()
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            converted = ov.convert_model(FirstOutput(model).eval(), example_input=tuple(args))
+    except Exception as exc:  # noqa: BLE001  a conversion failure is a reported result
+        return [Peer(n, error=f"conversion failed: {_one_line(exc)}") for n in names]
+    convert_s = time.perf_counter() - t
+    core = ov.Core()
+    feeds = [a.numpy() for a in args]
+    peers = []
+    for name, hint in zip(names, ("f32", None)):
+        config = {"INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY"}
+        if hint:
+            config["INFERENCE_PRECISION_HINT"] = hint
+        try:
+            t = time.perf_counter()
+            compiled = core.compile_model(converted, "CPU", config)
+            request = compiled.create_infer_request()
+            request.infer(feeds)
+            cold = convert_s + time.perf_counter() - t
+            precision = str(compiled.get_property("INFERENCE_PRECISION_HINT"))
+        except Exception as exc:  # noqa: BLE001
+            peers.append(Peer(name, error=f"compile failed: {_one_line(exc)}"))
+            continue
+
+        def fn(request=request):
+            request.infer(feeds)
+            return torch.from_numpy(request.get_output_tensor(0).data.copy())
+        peers.append(Peer(name, fn, cold_s=cold, detail={"export": f"precision {precision}"}))
+    return peers
+
+
 def build_peers(against: list[str], model, args, family: str, name: str, threads: int,
                 theta: float = 0.3, log: Callable[[str], None] = lambda s: None) -> list[Peer]:
-    """eager and opfuse always, then each of ``against`` (inductor, ort; ort brings ort-opt)."""
+    """eager and opfuse always, then each of ``against`` (inductor, ort, openvino; ort brings
+    ort-opt, openvino brings openvino-default)."""
     peers = [build_eager(model, args)]
     wanted = [a.strip() for a in against if a.strip() and a.strip() != "eager"]
     steps: list[tuple[str, Callable[[], list[Peer]]]] = [("opfuse", lambda: [build_opfuse(model, args, name, theta)])]
@@ -193,6 +238,8 @@ def build_peers(against: list[str], model, args, family: str, name: str, threads
         steps.append(("inductor", lambda: [build_inductor(model, args)]))
     if "ort" in wanted or "ort-opt" in wanted:
         steps.append(("ort", lambda: build_ort(model, args, family, threads)))
+    if "openvino" in wanted or "openvino-default" in wanted:
+        steps.append(("openvino", lambda: build_openvino(model, args, threads)))
     unknown = [a for a in wanted if a not in PEERS]
     for label, build in steps:
         log(f"building {label}")
