@@ -219,7 +219,8 @@ class FusedModule(torch.nn.Module):
 
 def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, device=None,
              verify: bool = True, strict: bool = False, example_kwargs: dict | None = None,
-             name: str | None = None, gemm: str | None = None, capture: str = "auto") -> FusedModule:
+             name: str | None = None, gemm: str | None = None, capture: str = "auto",
+             decide: str | None = None) -> FusedModule:
     """Capture, match, cost, select, verify and rewrite ``model``.
 
     Args:
@@ -234,6 +235,10 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
             (default, or ``OPFUSE_GEMM``) measures each float32 CPU GEMM shape once and
             keeps the fastest of eager's layout, a pre-transposed weight and oneDNN;
             ``"aten"`` keeps eager's GEMMs.
+        decide: ``"time"`` (default, or ``OPFUSE_DECIDE``): a region that passes ρ ≥ θ is
+            fused only if its fused replacement is measured faster than its unfused ops on
+            the example inputs (CPU; cached per shape, :mod:`opfuse.timegate`); ``"rho"``:
+            the traffic gate alone (deterministic).
         capture: ``"auto"`` (default): the whole model through ``torch.export``, and where
             that fails, dynamo's pieces (graph breaks at what export cannot capture), each
             fused, the rest run eagerly, the reason in ``report.capture``; ``"whole"``:
@@ -243,7 +248,7 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
         (:data:`opfuse.verify.TOLERANCE`); ``.report`` is the :class:`FusionReport`.
     Raises:
         OptimizeError: bad input (training mode, not a module, inputs not a tuple, unknown gemm
-            or capture mode).
+            capture or decide mode).
         opfuse.graph.capture.CaptureError: torch.export failed and ``capture="whole"`` or
             ``strict``; or the forward changes a plain Python attribute (never captured).
     """
@@ -256,8 +261,13 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
         raise OptimizeError(str(exc)) from None
     if capture not in ("auto", "whole"):
         raise OptimizeError(f"opfuse: capture must be 'auto' or 'whole', got {capture!r}")
+    from .timegate import check_mode as check_decide
+    try:
+        check_decide(decide)
+    except ValueError as exc:
+        raise OptimizeError(str(exc)) from None
     fused = FusedModule(model, dict(theta=theta, device=device, verify=verify, strict=strict, name=name, gemm=gemm,
-                                    capture=capture))
+                                    capture=capture, decide=decide))
     fused.plan_for(tuple(example_inputs), kwargs)
     return fused
 

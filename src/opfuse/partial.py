@@ -40,7 +40,7 @@ def plan_in_pieces(model: torch.nn.Module, args: tuple, kwargs: dict, reason: st
     from .pipeline import Plan
     from .verify import model_error
     pieces: list[CompiledGraph] = []
-    piece_options = {k: v for k, v in options.items() if k in ("theta", "device", "verify", "gemm")}
+    piece_options = {k: v for k, v in options.items() if k in ("theta", "device", "verify", "gemm", "decide")}
 
     def collect(gm, example_inputs):
         compiled = CompiledGraph(gm, example_inputs, piece_options)

@@ -23,7 +23,9 @@ from .patterns import LIBRARY, SPELLINGS, Pattern, find_matches
 from .report.data import FusionReport, RegionRecord
 from .report.graph import graph_summary
 from .rewrite import respell, rewrite
-from .verify import model_error, verify_regions
+from .timegate import check_mode as check_decide
+from .timegate import decide_by_time
+from .verify import model_error, record_values, verify_regions
 
 
 @dataclass
@@ -98,12 +100,17 @@ def cost(cands: list[Candidate], device: DeviceProfile) -> None:
 def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, theta: float = 0.3,
         device: DeviceProfile | None = None, verify: bool = True, strict: bool = False,
         rewrite_graph: bool = True, patterns: list[Pattern] | None = None, name: str | None = None,
-        gemm: str | None = None) -> Plan:
-    """capture → canonicalize → match → legality → cost → select → verify → rewrite
+        gemm: str | None = None, decide: str | None = None) -> Plan:
+    """capture → canonicalize → match → legality → cost → select → time → verify → rewrite
     → GEMM backends → report (→ whole-model check when ``verify``).
 
     ``gemm``: GEMM backend mode of :func:`opfuse.gemm.apply_gemm_choices` (default
-    ``OPFUSE_GEMM`` or ``"auto"``: measured per shape and cached)."""
+    ``OPFUSE_GEMM`` or ``"auto"``: measured per shape and cached). ``decide``: ``"time"``
+    (default, or ``OPFUSE_DECIDE``) also requires each selected CPU region to be measured
+    faster than its unfused ops (:mod:`opfuse.timegate`); ``"rho"``: the traffic gate alone.
+
+    Raises:
+        ValueError: unknown ``decide`` mode."""
     kwargs = dict(kwargs or {})
     snapshot = StateSnapshot.take(model)  # planning runs the forward: the model's state must not move
     args, kwargs = copy_inputs(args, kwargs)  # ... nor the caller's inputs
@@ -111,12 +118,14 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, thet
         check_python_state(model, args, kwargs)  # Python attributes written in forward: refused
         snapshot.restore()
         return _passes(model, args, kwargs, theta=theta, device=device, verify=verify, strict=strict,
-                       rewrite_graph=rewrite_graph, patterns=patterns, name=name, gemm=gemm)
+                       rewrite_graph=rewrite_graph, patterns=patterns, name=name, gemm=gemm,
+                       decide=check_decide(decide))
     finally:
         snapshot.restore()
 
 
-def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph, patterns, name, gemm) -> Plan:
+def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph, patterns, name, gemm,
+            decide) -> Plan:
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
@@ -137,8 +146,11 @@ def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph
     cands = legality(matches)
     cost(cands, device or profile_for(_device_of(args, kwargs)));   lap("cost")
     select(cands, theta);                                           lap("select")
+    env = record_values(gm, args, kwargs) if rewrite_graph and (verify or decide == "time") else None
+    if rewrite_graph and decide == "time":
+        decide_by_time(cands, env, theta);                          lap("time")
     if verify and rewrite_graph:
-        verify_regions(gm, cands, args, kwargs, strict=strict);    lap("verify")
+        verify_regions(gm, cands, args, kwargs, strict=strict, env=env); lap("verify")
     if rewrite_graph:
         rewrite(gm, cands);                                         lap("rewrite")
         gemms = apply_gemm_choices(gm, gemm);                       lap("gemm")
@@ -181,6 +193,22 @@ def _dtype_of(model: torch.nn.Module) -> str:
     return "float32"
 
 
+def _gate(c: Candidate) -> str:
+    """Which gate decided ``c``: legality, rho (ρ < θ, or passed with no timing),
+    roofline, overlap, time (measured), verification."""
+    if c.decision == "reverted":
+        return "verification"
+    if c.reason.startswith("illegal"):
+        return "legality"
+    if c.reason.startswith("decided by time") or "measured" in c.extra and c.decision == "fused":
+        return "time"
+    if c.reason.startswith("overlaps"):
+        return "overlap"
+    if "roofline predicts no gain" in c.reason:
+        return "roofline"
+    return "rho"
+
+
 def make_report(model, args, kwargs, theta, cands, near, whole, timings, name) -> FusionReport:
     """Collect the pipeline's data into a :class:`FusionReport`."""
     from .graph.blocks import block_of
@@ -198,7 +226,9 @@ def make_report(model, args, kwargs, theta, cands, near, whole, timings, name) -
             bytes_unfused=c.unfused.bytes, bytes_fused=c.fused.bytes, flops=c.unfused.flops,
             intensity=round(c.fused.intensity, 4), intensity_unfused=round(c.unfused.intensity, 4),
             time_unfused_s=c.time_unfused, time_fused_s=c.time_fused, verify_error=c.verify_error,
-            block=block_of(m.anchor) or ""))
+            block=block_of(m.anchor) or "", gate=_gate(c),
+            measured_fused_s=c.extra.get("measured", {}).get("fused_s"),
+            measured_unfused_s=c.extra.get("measured", {}).get("unfused_s")))
     report.near_misses = [{"pattern": nm.pattern, "variant": nm.variant, "node": nm.node, "reason": nm.reason}
                           for nm in near]
     return report

@@ -127,18 +127,20 @@ def run_region_float64(cand, env: dict) -> list:
         return list(module(*feeds))
 
 
-def verify_regions(gm: fx.GraphModule, cands: list, args: tuple, kwargs: dict, strict: bool = False) -> None:
+def verify_regions(gm: fx.GraphModule, cands: list, args: tuple, kwargs: dict, strict: bool = False,
+                   env: dict | None = None) -> None:
     """Check each candidate marked ``fused``; failing ones become ``reverted`` (or raise
     :class:`VerificationError` when ``strict``).
 
     A region passes when its fused result is within :func:`tolerance` of the unfused
     result, or — when they disagree — when the fused result is at least as close to a
     float64 run of the unfused subgraph as the unfused float32 result is (the fused kernel
-    is then the more accurate one; ``verify_error`` records its float64 error)."""
+    is then the more accurate one; ``verify_error`` records its float64 error). ``env``:
+    values already recorded by :func:`record_values` (recorded here when None)."""
     chosen = [c for c in cands if c.decision == "fused"]
     if not chosen:
         return
-    env = record_values(gm, args, kwargs)
+    env = env if env is not None else record_values(gm, args, kwargs)
     for cand in chosen:
         refs = [env[n] for n in list(cand.match.outputs) + list(cand.match.emitted)]
         try:

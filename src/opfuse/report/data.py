@@ -28,6 +28,9 @@ class RegionRecord:
     time_fused_s: float
     verify_error: float | None = None
     block: str = ""
+    gate: str = ""                # what decided: legality | rho | roofline | overlap | time | verification
+    measured_fused_s: float | None = None     # opfuse.timegate, on the example inputs
+    measured_unfused_s: float | None = None
 
 
 @dataclass

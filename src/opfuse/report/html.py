@@ -36,7 +36,9 @@ COLUMNS = [  # (key in RegionRecord, header, kind)
     ("bytes_unfused", "bytes before", "bytes"), ("bytes_fused", "bytes after", "bytes"),
     ("rho", "ρ", "num"), ("flops", "FLOPs", "flops"), ("intensity_unfused", "I before (FLOP/B)", "num"),
     ("intensity", "I after (FLOP/B)", "num"), ("time_unfused_s", "t before", "time"),
-    ("time_fused_s", "t after", "time"), ("verify_error", "verify error", "err"), ("reason", "reason", "text"),
+    ("time_fused_s", "t after", "time"), ("measured_unfused_s", "measured before", "time"),
+    ("measured_fused_s", "measured after", "time"), ("gate", "decided by", "text"),
+    ("verify_error", "verify error", "err"), ("reason", "reason", "text"),
 ]
 
 

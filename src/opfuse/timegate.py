@@ -1,0 +1,129 @@
+"""Fusion decided by time: after the ρ ≥ θ gate, a selected CPU region is fused only when
+its fused replacement, run on the region's recorded inputs, is measured faster than its
+unfused ops (the seed's traffic criterion first, then the clock).
+
+::
+
+    select (ρ ≥ θ, roofline, overlaps) ── fused candidates
+        └─ time each: fused module vs unfused module, interleaved, on the recorded inputs
+           (verify.fused_region_module / unfused_region_module), cached per CPU model,
+           thread count, pattern, variant and input signature in OPFUSE_CACHE_DIR
+        └─ fused ≥ unfused: rejected ("decided by time"), the others re-selected (a region
+           it overlapped may now fuse), until no chosen region is slower
+
+Measured, not predicted: the blocked ``ffn`` kernel ran 0.51–0.63x of eager on these
+machines while the byte-based cost model preferred it. ``decide="rho"`` (or
+``OPFUSE_DECIDE=rho``) keeps the traffic decision alone — deterministic, for golden plans.
+Only CPU regions are timed (a GPU region would need synchronised timing on the device).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+
+import torch
+
+from .cost.device import cpu_model, load_cache, save_cache
+from .cost.select import select
+
+CACHE = "region_times.json"
+MODES = ("time", "rho")
+#: Rounds per region: interleaved fused / unfused calls after one warm-up, minimum taken.
+ROUNDS = 5
+
+
+def check_mode(mode: str | None) -> str:
+    """The decision mode: ``mode``, else ``OPFUSE_DECIDE``, else ``"time"``.
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    mode = mode or os.environ.get("OPFUSE_DECIDE") or "time"
+    if mode not in MODES:
+        raise ValueError(f"opfuse: decide must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def _signature(feeds: list) -> str:
+    def one(v):
+        if isinstance(v, torch.Tensor):
+            return f"{list(v.shape)}:{str(v.dtype).replace('torch.', '')}:{'c' if v.is_contiguous() else 's'}"
+        return repr(v)
+    return ",".join(one(v) for v in feeds)
+
+
+def measure_region(cand, env: dict) -> tuple[float, float]:
+    """(fused s, unfused s): minimum of :data:`ROUNDS` interleaved runs of ``cand``'s fused
+    replacement and of its original nodes on the recorded input values; the fused time is
+    ``inf`` when its kernel raises."""
+    from .bench.timing import interleaved
+    from .verify import fused_region_module, unfused_region_module
+    fused, fused_feeds = fused_region_module(cand.match, env)
+    unfused, unfused_feeds = unfused_region_module(cand.match, env)
+    with torch.no_grad():
+        try:
+            fused(*fused_feeds)
+        except Exception:  # noqa: BLE001  a kernel that raises is never faster
+            return math.inf, 0.0
+        times = interleaved({"fused": lambda: fused(*fused_feeds), "unfused": lambda: unfused(*unfused_feeds)},
+                            repeat=ROUNDS, warmup=1)
+    return times["fused"]["min_s"], times["unfused"]["min_s"]
+
+
+def _key(cand, env: dict) -> str:
+    from .verify import fused_region_module
+    _, feeds = fused_region_module(cand.match, env)
+    m = cand.match
+    return f"{cpu_model()} | threads={torch.get_num_threads()} | {m.pattern.name}/{m.pattern.variant} | {_signature(feeds)}"
+
+
+def decide_by_time(cands: list, env: dict, theta: float, timer: Callable | None = None) -> int:
+    """Pipeline pass: time every ``fused`` CPU candidate (``timer(cand, env)`` ->
+    (fused s, unfused s), default :func:`measure_region`, cached), reject the slower ones
+    and re-select the rest; returns how many were rejected by time. Each timed candidate
+    gets ``extra["measured"] = {"fused_s", "unfused_s"}`` and its reason says so."""
+    timer = timer or measure_region
+    cache = load_cache(CACHE) if timer is measure_region else {}
+    size = len(cache)
+    rejected = 0
+    for _ in range(8):  # each round can only reject; the re-selection settles in a few
+        slower = []
+        for c in cands:
+            if c.decision != "fused" or "measured" in c.extra or not _on_cpu(c, env):
+                continue
+            key = _key(c, env)
+            if key in cache:
+                tf, tu = cache[key]
+            else:
+                tf, tu = timer(c, env)
+                if math.isfinite(tf):
+                    cache[key] = [tf, tu]
+            c.extra["measured"] = {"fused_s": tf, "unfused_s": tu}
+            if tf >= tu:
+                slower.append(c)
+        if not slower:
+            break
+        rejected += len(slower)
+        for c in slower:
+            tf, tu = c.extra["measured"]["fused_s"], c.extra["measured"]["unfused_s"]
+            c.legal, c.decision = False, "rejected"
+            c.reason = (f"decided by time: fused {tf * 1e6:.1f} µs ≥ unfused {tu * 1e6:.1f} µs measured on the "
+                        f"example inputs ({c.reason})")
+        for c in cands:
+            if c.legal and c.decision == "fused":
+                c.decision = "rejected"  # re-selected below, with the slower regions out of the way
+        select(cands, theta)
+    for c in cands:
+        if c.decision == "fused" and "measured" in c.extra:
+            tf, tu = c.extra["measured"]["fused_s"], c.extra["measured"]["unfused_s"]
+            c.reason += f"; measured fused {tf * 1e6:.1f} µs < unfused {tu * 1e6:.1f} µs"
+    if len(cache) != size:
+        save_cache(CACHE, cache)
+    return rejected
+
+
+def _on_cpu(cand, env: dict) -> bool:
+    values = [env.get(n) for n in cand.match.inputs.values() if isinstance(n, torch.fx.Node)]
+    return all(v.device.type == "cpu" for v in values if isinstance(v, torch.Tensor))

@@ -1,0 +1,100 @@
+"""Fusion decided by time (opfuse.timegate): driven by injected timing tables, never by
+wall-clock in a test — except one structural check that real measurements are recorded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import opfuse
+from opfuse import timegate
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))  # no timings cached by other runs
+
+
+def _timer(table: dict):
+    """A timer that reads (fused s, unfused s) by pattern name."""
+    calls = []
+
+    def timer(cand, env):
+        calls.append(cand.match.pattern.name)
+        return table[cand.match.pattern.name]
+    timer.calls = calls
+    return timer
+
+
+class AddLN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(32)
+
+    def forward(self, x, r):
+        return self.ln(x + r)
+
+
+def test_region_measured_slower_is_not_fused_and_the_report_names_the_gate(monkeypatch):
+    monkeypatch.setattr(timegate, "measure_region", _timer({"add_layernorm": (2e-5, 1e-5)}))
+    model, args = AddLN().eval(), (torch.randn(8, 32), torch.randn(8, 32))
+    fused = opfuse.optimize(model, args, decide="time")
+    assert fused.report.counts() == {}
+    (region,) = [r for r in fused.report.regions if r.pattern == "add_layernorm"]
+    assert region.decision == "rejected" and region.gate == "time"
+    assert region.measured_fused_s == 2e-5 and region.measured_unfused_s == 1e-5
+    assert region.reason.startswith("decided by time: fused 20.0 µs ≥ unfused 10.0 µs")
+    with torch.no_grad():
+        torch.testing.assert_close(fused(*args), model(*args))
+
+
+def test_region_measured_faster_fuses_with_both_times(monkeypatch):
+    monkeypatch.setattr(timegate, "measure_region", _timer({"add_layernorm": (1e-5, 3e-5)}))
+    fused = opfuse.optimize(AddLN().eval(), (torch.randn(8, 32), torch.randn(8, 32)), decide="time")
+    (region,) = fused.report.fused
+    assert region.gate == "time" and "measured fused 10.0 µs < unfused 30.0 µs" in region.reason
+    assert fused.report.to_dict()["regions"][0]["measured_unfused_s"] == 3e-5
+
+
+def test_a_slower_winner_lets_the_regions_it_overlapped_fuse(monkeypatch):
+    """bert-tiny: the traffic gate picks the blocked ffn kernel over bias+GELU and
+    linear+add+LN; measured slower, it is rejected and those two fuse instead."""
+    from opfuse.models import load
+    loaded = load("bert-tiny", batch=2, seq=16)
+    rho_plan = opfuse.optimize(loaded.model, loaded.args, decide="rho").report.counts()
+    assert rho_plan.get("ffn") == 2
+    timer = _timer({"ffn": (3e-4, 1e-4), "bias_gelu": (1e-5, 2e-5), "linear_add_layernorm": (1e-5, 2e-5),
+                    "add_layernorm": (1e-5, 2e-5), "attention": (1e-5, 2e-5), "qkv_merge": (1e-5, 2e-5),
+                    "out_proj_residual": (1e-5, 2e-5), "layernorm_gelu": (1e-5, 2e-5)})
+    monkeypatch.setattr(timegate, "measure_region", timer)
+    fused = opfuse.optimize(loaded.model, loaded.args, decide="time")
+    counts = fused.report.counts()
+    assert "ffn" not in counts and counts.get("bias_gelu") == 2, counts
+    assert counts.get("linear_add_layernorm") == rho_plan.get("linear_add_layernorm", 0) + 2, (counts, rho_plan)
+    assert all(r.gate == "time" for r in fused.report.regions if r.pattern == "ffn")
+    with torch.no_grad():
+        out, ref = fused(*loaded.args), loaded.model(*loaded.args)
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-4, atol=1e-4)
+
+
+def test_timings_are_cached_per_shape(monkeypatch):
+    timer = _timer({"add_layernorm": (1e-5, 3e-5)})
+    monkeypatch.setattr(timegate, "measure_region", timer)
+    args = (torch.randn(8, 32), torch.randn(8, 32))
+    opfuse.optimize(AddLN().eval(), args, decide="time")
+    opfuse.optimize(AddLN().eval(), args, decide="time")
+    assert timer.calls == ["add_layernorm"]  # the second optimize read the cache
+    opfuse.optimize(AddLN().eval(), (torch.randn(4, 32), torch.randn(4, 32)), decide="time")
+    assert timer.calls == ["add_layernorm"] * 2  # another shape is measured
+
+
+def test_real_measurement_records_times():
+    fused = opfuse.optimize(AddLN().eval(), (torch.randn(256, 32), torch.randn(256, 32)), decide="time")
+    (region,) = fused.report.regions
+    assert region.gate == "time" and region.measured_fused_s > 0 and region.measured_unfused_s > 0
+    assert (region.decision == "fused") == (region.measured_fused_s < region.measured_unfused_s)
+
+
+def test_unknown_decide_mode_is_refused():
+    with pytest.raises(opfuse.OptimizeError, match="decide must be one of"):
+        opfuse.optimize(AddLN().eval(), (torch.randn(2, 32), torch.randn(2, 32)), decide="bytes")
