@@ -60,7 +60,7 @@ def measure_region(cand, env: dict) -> tuple[float, float]:
     ``inf`` when its kernel raises."""
     from .bench.timing import interleaved
     from .verify import fused_region_module, unfused_region_module
-    fused, fused_feeds = fused_region_module(cand.match, env)
+    fused, fused_feeds = fused_region_module(cand.match, env, fold=True)  # weights folded, as in the plan
     unfused, unfused_feeds = unfused_region_module(cand.match, env)
     with torch.no_grad():
         try:
@@ -73,10 +73,10 @@ def measure_region(cand, env: dict) -> tuple[float, float]:
 
 
 def _key(cand, env: dict) -> str:
-    from .verify import fused_region_module
-    _, feeds = fused_region_module(cand.match, env)
     m = cand.match
-    return f"{cpu_model()} | threads={torch.get_num_threads()} | {m.pattern.name}/{m.pattern.variant} | {_signature(feeds)}"
+    feeds = [env[n] if isinstance(n, torch.fx.Node) else n for n in m.inputs.values()]
+    return (f"v2 | {cpu_model()} | threads={torch.get_num_threads()} | {m.pattern.name}/{m.pattern.variant} | "
+            f"{_signature(feeds)}")
 
 
 def decide_by_time(cands: list, env: dict, theta: float, timer: Callable | None = None) -> int:

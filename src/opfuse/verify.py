@@ -75,21 +75,33 @@ def record_values(gm: fx.GraphModule, args: tuple, kwargs: dict) -> dict[fx.Node
     return env
 
 
-def fused_region_module(match, env: dict) -> tuple[fx.GraphModule, list]:
+def fused_region_module(match, env: dict, fold: bool = False) -> tuple[fx.GraphModule, list]:
     """(module, feeds): ``match``'s fused replacement (its row's ``build``) as a standalone
-    module, with the recorded values of its inputs."""
+    module, with the recorded values of its inputs. With ``fold``, inputs that are the
+    model's parameters or buffers become constants of the module and constant expressions
+    of them (the QKV weight concat) are folded once, as the rewrite folds them in the plan
+    (what the time gate must measure: the plan runs no concat per call)."""
     graph = fx.Graph()
     inputs = {}
     feeds = []
+    root = torch.nn.Module()
     for name, node in match.inputs.items():
-        if isinstance(node, fx.Node):
+        if isinstance(node, fx.Node) and fold and node.op == "get_attr":
+            root.register_buffer(f"const_{name}", env[node])
+            inputs[name] = graph.get_attr(f"const_{name}")
+        elif isinstance(node, fx.Node):
             inputs[name] = graph.placeholder(name)
             feeds.append(env[node])
         else:
             inputs[name] = node
     outs = match.pattern.build(graph, inputs, match.literals, dict(match.params, emit=bool(match.emitted)))
     graph.output(tuple(outs))
-    return fx.GraphModule(torch.nn.Module(), graph), feeds
+    module = fx.GraphModule(root, graph)
+    if fold:
+        from .rewrite import fold_parameter_concats
+        fold_parameter_concats(module)
+        module.recompile()
+    return module, feeds
 
 
 def unfused_region_module(match, env: dict) -> tuple[fx.GraphModule, list]:
