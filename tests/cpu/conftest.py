@@ -15,3 +15,5 @@ def _seed():
 # (opfuse.timegate) measures regions on this machine, so golden plans and fused counts would
 # depend on the machine and its load. Its own tests pass decide="time" with injected timings.
 os.environ.setdefault("OPFUSE_DECIDE", "rho")
+# Likewise the roofline uses the static CPU profile here (the measured one is the default).
+os.environ.setdefault("OPFUSE_MEASURE_DEVICE", "0")

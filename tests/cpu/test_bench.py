@@ -24,10 +24,12 @@ def fake_measure(monkeypatch, tmp_path):
     return calls
 
 
-def test_static_profile_unless_asked(monkeypatch, fake_measure):
-    monkeypatch.delenv("OPFUSE_MEASURE_DEVICE", raising=False)
+def test_static_profile_only_when_asked(monkeypatch, fake_measure):
+    monkeypatch.setenv("OPFUSE_MEASURE_DEVICE", "0")
     assert dev.profile_for("cpu") == dev.cpu_profile()
     assert dev.cpu_profile().cache_bandwidth == 0 and not fake_measure
+    monkeypatch.delenv("OPFUSE_MEASURE_DEVICE")
+    assert dev.profile_for("cpu").name == "cpu (measured)" and len(fake_measure) == 1  # the default
 
 
 def test_measured_profile_is_cached_on_disk(monkeypatch, fake_measure, tmp_path):

@@ -1,9 +1,10 @@
 """Device profiles for the roofline: bandwidth (bytes/s), peak FLOP/s, cache size
 (bytes) and kernel-launch overhead (s).
 
-``profile_for("cpu")`` is the static profile below (deterministic) unless
-``OPFUSE_MEASURE_DEVICE=1``: then :func:`measured_cpu_profile` (copy bandwidth, in-cache
-bandwidth, GEMM FLOP/s measured once, cached under ``OPFUSE_CACHE_DIR``).
+``profile_for("cpu")`` is :func:`measured_cpu_profile` (copy bandwidth, in-cache
+bandwidth, GEMM FLOP/s measured once per CPU model and thread count, ~1 s, cached under
+``OPFUSE_CACHE_DIR``) unless ``OPFUSE_MEASURE_DEVICE=0`` asks for the static profile below
+(deterministic: the test tier's default).
 
 CPU figures: cache sizes from ``/sys/devices/system/cpu``; bandwidth and peak are
 conservative defaults for one AVX2 core (2 FMA × 8 fp32 lanes × 2 × ~3 GHz ≈ 96 GFLOP/s;
@@ -148,8 +149,8 @@ KNOWN_GPUS = {
 def profile_for(device) -> DeviceProfile:
     """Profile for a ``torch.device`` (or its type string); unknown GPUs get the H100 figures."""
     kind = getattr(device, "type", str(device or "cpu"))
-    if kind == "cpu":  # static (deterministic) unless OPFUSE_MEASURE_DEVICE=1 asks for a measured one
-        return measured_cpu_profile() if os.environ.get("OPFUSE_MEASURE_DEVICE") == "1" else cpu_profile()
+    if kind == "cpu":  # measured (cached) unless OPFUSE_MEASURE_DEVICE=0 asks for the static one
+        return cpu_profile() if os.environ.get("OPFUSE_MEASURE_DEVICE") == "0" else measured_cpu_profile()
     try:
         import torch
         name = torch.cuda.get_device_name(device).lower()
