@@ -1,11 +1,13 @@
-"""Whole models: opfuse vs eager, torch.compile (inductor) and ONNX Runtime (a thin
-wrapper of ``opfuse bench``), one JSON + CSV per model under benchmarks/results/.
+"""Whole models: opfuse vs eager, torch.compile (inductor), ONNX Runtime and OpenVINO (a
+thin wrapper of ``opfuse bench``), one JSON + CSV per model under benchmarks/results/.
 
     .venv/bin/python benchmarks/bench_models.py [MODEL ...] [--threads 1] [--amdahl]
 
 Default: minilm 8x128 (eager attention) and bert-base 1x128 (sdpa), against
-eager,opfuse-aten,inductor,ort (opfuse-aten: opfuse with eager's GEMMs, the fusions' share
-alone). ``--all`` adds bert-base 1x512 (eager attention), gpt2 1x256 and llama 1x256.
+eager,opfuse-aten,inductor,ort,openvino (opfuse-aten: opfuse with eager's GEMMs, the
+fusions' share alone; ort brings ort-opt, openvino brings openvino-default). Every row is
+also printed against the GEMM floor. ``--all`` adds bert-base 1x512 (eager attention),
+gpt2 1x256 and llama 1x256.
 """
 
 from __future__ import annotations

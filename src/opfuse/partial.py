@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 
 from .backend import CompiledGraph
-from .graph.meta import tensor_values
 from .graph.state import StateSnapshot, copy_inputs
 from .report.data import FusionReport, RegionRecord
 
@@ -65,15 +64,9 @@ def plan_in_pieces(model: torch.nn.Module, args: tuple, kwargs: dict, reason: st
 def merged_report(model, args, kwargs, pieces: list[CompiledGraph], reason: str, options: dict) -> FusionReport:
     """One report for the pieces: their regions (anchors prefixed ``piece<i>:``), near
     misses, traffic, GEMM choices, and ``capture`` = {mode, reason, pieces, unfused}."""
-    shapes = [f"{name}:{list(t.shape)}:{str(t.dtype).replace('torch.', '')}"
-              for name, v in [*((f"arg{i}", a) for i, a in enumerate(args)), *kwargs.items()]
-              for t in tensor_values(v)]
-    dtype = next((str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()), "float32")
-    device = next((str(t.device) for t in tensor_values(list(args) + list(kwargs.values()))), "cpu")
-    from . import __version__
-    report = FusionReport(model=options.get("name") or type(model).__name__, inputs=shapes, dtype=dtype,
-                          device=device, theta=options.get("theta", 0.3), version=__version__,
-                          verified=bool(options.get("verify", True)))
+    from .pipeline import report_header
+    report = report_header(model, args, kwargs, options.get("theta", 0.3), options.get("name"))
+    report.verified = bool(options.get("verify", True))
     unfused = []
     for i, piece in enumerate(pieces, 1):
         unfused += [f"piece {i}: {f.reason}" for f in piece.fallbacks]

@@ -209,15 +209,21 @@ def _gate(c: Candidate) -> str:
     return "rho"
 
 
-def make_report(model, args, kwargs, theta, cands, near, whole, timings, name) -> FusionReport:
-    """Collect the pipeline's data into a :class:`FusionReport`."""
-    from .graph.blocks import block_of
+def report_header(model, args, kwargs, theta, name) -> FusionReport:
+    """An empty :class:`FusionReport` naming the model, its inputs (name:shape:dtype), dtype,
+    device, θ and the opfuse version."""
     shapes = [f"{k}:{list(t.shape)}:{str(t.dtype).replace('torch.', '')}"
               for k, v in [*((f"arg{i}", a) for i, a in enumerate(args)), *kwargs.items()]
               for t in tensor_values(v)]
-    report = FusionReport(model=name or type(model).__name__, inputs=shapes, dtype=_dtype_of(model),
-                          device=str(_device_of(args, kwargs)), theta=theta, graph_bytes=whole.bytes,
-                          graph_flops=whole.flops, timings_s=timings, version=__version__)
+    return FusionReport(model=name or type(model).__name__, inputs=shapes, dtype=_dtype_of(model),
+                        device=str(_device_of(args, kwargs)), theta=theta, version=__version__)
+
+
+def make_report(model, args, kwargs, theta, cands, near, whole, timings, name) -> FusionReport:
+    """Collect the pipeline's data into a :class:`FusionReport`."""
+    from .graph.blocks import block_of
+    report = report_header(model, args, kwargs, theta, name)
+    report.graph_bytes, report.graph_flops, report.timings_s = whole.bytes, whole.flops, timings
     for c in cands:
         m = c.match
         report.regions.append(RegionRecord(
