@@ -42,13 +42,17 @@ class Plan:
     derived: frozenset = frozenset()
 
 
-def legality(matches) -> list[Candidate]:
+def legality(matches, graph: fx.Graph | None = None) -> list[Candidate]:
     """Run each row's extra check on real shapes/values, then the kernel's own argument
     check on the region's fake inputs (:func:`kernel_refusal`: dtypes of every operand,
-    shapes, devices); illegal ones keep their reason."""
+    shapes, devices); illegal ones keep their reason. A ``graph`` that writes a tensor in
+    place anywhere but in its trailing write-backs (capture functionalises, so this is a
+    safety net) makes every candidate illegal: a fused op could read across the write."""
+    unsafe = check_functional(graph) if graph is not None else None
     cands = []
     for m in matches:
-        problem = m.pattern.check(m) if m.pattern.check else None
+        problem = f"the graph is not functional: {unsafe}" if unsafe else None
+        problem = problem or (m.pattern.check(m) if m.pattern.check else None)
         problem = problem or kernel_refusal(m)
         cand = Candidate(m)
         if problem:
@@ -143,7 +147,7 @@ def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph
     summary = graph_summary(gm.graph, block)                        # for the HTML report (plain data)
     whole = graph_cost(gm.graph)
     matches, near = find_matches(gm.graph, patterns or LIBRARY);   lap("match")
-    cands = legality(matches)
+    cands = legality(matches, gm.graph)
     cost(cands, device or profile_for(_device_of(args, kwargs)));   lap("cost")
     select(cands, theta);                                           lap("select")
     env = record_values(gm, args, kwargs) if rewrite_graph and (verify or decide == "time") else None

@@ -246,3 +246,32 @@ def test_refresh_replans_on_demand():
     fused = opfuse.optimize(model, (ids,))
     fused.refresh()
     assert _err(fused, model, ids) < 1e-4 and fused.replans == ["refresh() called"]
+
+
+def test_a_graph_with_an_in_place_write_fuses_nothing():
+    """The safety net behind functionalisation: legality on a graph that still writes in
+    place refuses every candidate, naming the write."""
+    from opfuse import pipeline
+    from opfuse.graph.capture import capture
+    from opfuse.patterns import LIBRARY, find_matches
+    gm = capture(AddLNThenWrite().eval(), (torch.randn(4, 16), torch.randn(4, 16)), {})
+    node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.copy_.default)
+    node.target = torch.ops.aten.add_.Tensor  # an in-place op that is not a trailing write-back
+    with gm.graph.inserting_after(node):
+        user = gm.graph.call_function(torch.ops.aten.neg.default, (node,))
+    gm.graph.output_node().args = ((*gm.graph.output_node().args[0], user),)
+    matches, _ = find_matches(gm.graph, LIBRARY)
+    cands = pipeline.legality(matches, gm.graph)
+    assert cands and all(not c.legal and "not functional" in c.reason for c in cands)
+    assert pipeline.legality(matches) and all(c.legal for c in pipeline.legality(matches))  # no graph: no net
+
+
+class AddLNThenWrite(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(16)
+
+    def forward(self, x, r):
+        out = self.ln(x + r)
+        r.mul_(2.0)
+        return out

@@ -127,8 +127,8 @@ def mutated_targets(graph: fx.Graph) -> dict[str, set[str]]:
 
 def check_functional(graph: fx.Graph) -> str | None:
     """None when the only writes in ``graph`` are trailing ``copy_`` nodes into
-    placeholders or attributes that nothing reads afterwards (so a fused op can never read
-    across a write); else the first offending node, named."""
+    placeholders or attributes that nothing but the output reads afterwards (so a fused op
+    can never read across a write); else the first offending node, named."""
     seen_copy = set()
     for node in graph.nodes:
         if node.op == "output":
@@ -139,7 +139,7 @@ def check_functional(graph: fx.Graph) -> str | None:
             continue
         dest = node.args[0] if node.args else None
         if node.target is aten.copy_.default and isinstance(dest, fx.Node) and dest.op in ("placeholder", "get_attr") \
-                and not node.users:
+                and all(u.op == "output" for u in node.users):  # a written-back buffer may be returned too
             seen_copy.add(dest)
             continue
         return f"{node.name} ({node.target}) writes its input in place"
