@@ -34,6 +34,11 @@ def latency_table(model, fused, args, kwargs, repeat: int) -> tuple[Table, dict]
         results[threads] = (eager, ours)
         table.add_row(str(threads), f"{eager:.2f}", f"{ours:.2f}", f"{eager / ours:.2f}x")
     torch.set_num_threads(threads_all)
+    from opfuse.bench.machine import load_average
+    load = load_average()
+    if load and load[0] >= os.cpu_count() - 0.5:
+        table.caption = (f"load average {load[0]:.1f} on {os.cpu_count()} CPUs: other processes share the cores, "
+                         "so multi-thread timings stall and their ratios mean little; compare the 1-thread row")
     return table, results
 
 

@@ -110,7 +110,7 @@ def decide_by_time(cands: list, env: dict, theta: float, timer: Callable | None 
             tf, tu = c.extra["measured"]["fused_s"], c.extra["measured"]["unfused_s"]
             c.legal, c.decision = False, "rejected"
             c.reason = (f"decided by time: fused {tf * 1e6:.1f} µs ≥ unfused {tu * 1e6:.1f} µs measured on the "
-                        f"example inputs ({c.reason})")
+                        f"example inputs, although the traffic gate passed it ({c.reason})")
         for c in cands:
             if c.legal and c.decision == "fused":
                 c.decision = "rejected"  # re-selected below, with the slower regions out of the way

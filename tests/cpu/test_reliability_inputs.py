@@ -276,3 +276,16 @@ def test_pieces_refused_under_strict_and_capture_whole():
 def test_whole_model_capture_says_so():
     fused = opfuse.optimize(_Block().eval(), (torch.randn(4, 32),))
     assert fused.report.capture == {"mode": "whole"} and "Captured in pieces" not in str(fused.report)
+
+
+@pytest.mark.parametrize("cls", [DataDependent, CustomOpNoFake])
+def test_uncapturable_model_under_compile_is_fused_in_dynamos_pieces(cls):
+    torch.manual_seed(0)
+    model = cls().eval()
+    backend.reset()
+    compiled = torch.compile(model, backend="opfuse")
+    for inp in (torch.randn(4, 32), -torch.randn(4, 32)):
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(inp), model(inp), rtol=1e-5, atol=1e-5)
+    counts = [r.pattern for g in backend.COMPILED for rep in g.reports for r in rep.fused]
+    assert counts.count("linear_add_layernorm") >= 2, counts  # each block fused in its own piece

@@ -119,7 +119,8 @@ def render(report, limit: int | None = 40, block_only: bool = True) -> Group:
     if report.near_misses:
         parts.append(near_miss_table(report))
     else:
-        parts.append(Text("Near misses: none (every structural match went on to the cost model)"))
+        parts.append(Text("Near misses: none (no pattern came close without matching; every full match is "
+                          "in the region table with its decision)"))
     return Group(*parts)
 
 
