@@ -35,7 +35,9 @@ def test_tiny_bert_compiled_equals_eager_and_fuses():
     (graph,) = B.COMPILED
     assert graph.fallbacks == [] and graph.calls["fused"] == 1
     # parameters arrive as graph inputs; they are bound back so QKV can be pre-concatenated
-    assert graph.reports[0].counts() == {"attention": 2, "qkv_merge": 2, "linear_add_layernorm": 2, "add_layernorm": 2,
+    # add_layernorm 3: the two post-attention ones and the embeddings' (position embeddings
+    # [1, S, E] broadcast over the batch, expanded row-wise by the kernel)
+    assert graph.reports[0].counts() == {"attention": 2, "qkv_merge": 2, "linear_add_layernorm": 2, "add_layernorm": 3,
                                          "ffn": 2}
     # another batch of tokens, same signature: the cached plan, still equal to eager
     ids = torch.randint(0, 1000, (2, 16))

@@ -149,8 +149,18 @@ def test_add_layernorm_not_over_two_dims():
     assert any("last dim" in r.reason for r in report.regions)
 
 
-def test_add_layernorm_not_with_broadcast_add():
-    report = fused_and_check(AddLN(), torch.randn(4, 16, 32), torch.randn(1, 16, 32))
+@pytest.mark.parametrize("x_shape,r_shape", [((4, 16, 32), (1, 16, 32)), ((1, 16, 32), (4, 16, 32)),
+                                             ((4, 16, 32), (16, 32)), ((4, 16, 32), (32,))])
+def test_add_layernorm_fuses_with_a_row_broadcast_operand(x_shape, r_shape):
+    """Position embeddings [1, S, E] added to [B, S, E] (DistilBERT, ALBERT, CLIP, MiniLM...):
+    the kernel expands the residual row-wise; either operand may be the broadcast one."""
+    report = fused_and_check(AddLN(), torch.randn(*x_shape), torch.randn(*r_shape))
+    assert report.counts() == {"add_layernorm": 1}
+
+
+@pytest.mark.parametrize("x_shape,r_shape", [((4, 16, 32), (4, 16, 1)), ((4, 1, 32), (1, 16, 32))])
+def test_add_layernorm_not_with_broadcast_within_rows_or_both_operands(x_shape, r_shape):
+    report = fused_and_check(AddLN(), torch.randn(*x_shape), torch.randn(*r_shape))
     assert report.counts() == {}
     (region,) = report.regions
     assert "broadcast" in region.reason and "add" in region.reason

@@ -147,3 +147,19 @@ def test_layernorm_row_with_huge_finite_value_stays_finite(dtype):
     eager = F.layer_norm(x + r, (64,), w, b, 1e-5)  # row 0 finite (the bias), rows 1-2 NaN: mean^2 overflows
     assert out.isfinite().all() and eager[0].isfinite().all()
     torch.testing.assert_close(out.double(), ref.add_layernorm(x, r, w, b, 1e-5, False)[0], **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("r_shape", [(1, 5, 24), (5, 24), (24,)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_layernorm_row_broadcast_residual_vs_float64(r_shape, dtype):
+    """A residual that broadcasts over the leading dims (position embeddings) is expanded
+    row-wise; the sum and the LayerNorm equal the float64 oracle of the broadcast add."""
+    torch.manual_seed(0)
+    x, r = torch.randn(3, 5, 24).to(dtype), torch.randn(*r_shape).to(dtype)
+    w, b = (torch.rand(24) + 0.5).to(dtype), torch.randn(24).to(dtype)
+    exp, exp_sum = ref.add_layernorm(x, r, w, b, 1e-5, True)
+    out, total = OP.add_layernorm_sum(x, r, w, b, 1e-5)
+    torch.testing.assert_close(out.double(), exp, **TOLERANCE[dtype])
+    torch.testing.assert_close(total.double(), exp_sum, **TOLERANCE[dtype])
+    with pytest.raises(ValueError, match="does not broadcast"):
+        OP.add_layernorm(x, r[..., :1].expand(*r.shape[:-1], 1).contiguous(), w, b, 1e-5)

@@ -65,7 +65,7 @@ def test_non_default_eps_and_tanh_gelu_are_carried():
     _check(model, fused, *args)
     variants = {(r.pattern, r.variant) for r in fused.report.fused}
     counts = fused.report.counts()
-    assert ("ffn", "tanh") in variants and counts["add_layernorm"] == 2 and counts["linear_add_layernorm"] == 2
+    assert ("ffn", "tanh") in variants and counts["add_layernorm"] == 3 and counts["linear_add_layernorm"] == 2
 
 
 class _SDPA(torch.nn.Module):
@@ -322,7 +322,9 @@ def test_peak_memory_not_above_eager():
     libc = ctypes.CDLL("libc.so.6")
     model = _tiny_bert(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024)
     ids, mask = torch.randint(0, 1000, (4, 128)), torch.ones(4, 128, dtype=torch.long)
-    fused = opfuse.optimize(model, (ids, mask))
+    # gemm="aten": which GEMM layout is measured fastest per shape differs between machines
+    # (a pre-transposed "wt" copy is an extra the report lists: tests/cpu/test_gemm.py)
+    fused = opfuse.optimize(model, (ids, mask), gemm="aten")
     fused(torch.randint(0, 1000, (1, 8)), torch.ones(1, 8, dtype=torch.long))  # a second plan
     threads = torch.get_num_threads()
     libc.mallopt(M_MMAP_THRESHOLD, 65536)  # buffers >= 64 KiB via mmap: RSS follows every free
@@ -335,13 +337,10 @@ def test_peak_memory_not_above_eager():
         libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
         torch.set_num_threads(threads)
     assert ours <= eager, (ours, eager)  # activations: the S×S scores are never materialised
-    # the only weights the fused module owns are the concatenated QKV weights, once for all
-    # plans, and the pre-transposed GEMM weights the report lists (opfuse.gemm "wt")
+    # the only weights the fused module owns are the concatenated QKV weights, once for all plans
     model_ptrs = {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
     extra = {t.data_ptr(): (n, t.numel() * t.element_size()) for p in fused._plans.values()
              for n, t in (*p.gm.named_parameters(), *p.gm.named_buffers()) if t.data_ptr() not in model_ptrs}
     qkv = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
               if any(k in n for k in ("query.", "key.", "value.")))
-    wt = {n: b for n, b in extra.values() if n.startswith("opfuse_folded_wt_")}
-    assert sum(b for n, b in extra.values() if n not in wt) == qkv
-    assert sum(wt.values()) <= sum(g["extra_bytes"] for p in fused._plans.values() for g in p.report.gemm)
+    assert sum(b for n, b in extra.values()) == qkv

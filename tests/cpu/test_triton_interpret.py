@@ -259,6 +259,14 @@ def _cases() -> dict:
                 errs.append(close(got[key][:4], exp[key][:4], dt))
         return max(errs)
 
+    @case("add_layernorm-row-broadcast-residual")
+    def _():
+        x, r = randn(3, 5, 40, seed=11), randn(1, 5, 40, seed=12)  # position embeddings [1, S, E]
+        w, b = randn(40, seed=13, scale=0.5, offset=1.0), randn(40, seed=14)
+        out, s = K("add_layernorm")(x, r, w, b, 1e-5, True)
+        exp, exp_s = reference.add_layernorm(x, r, w, b, 1e-5, True)
+        return max(close(out, exp, torch.float32), close(s, exp_s, torch.float32))
+
     @case("gelu-forms-not-swapped")
     def _():
         x = torch.linspace(-4, 4, 257).reshape(1, 257)
@@ -291,7 +299,7 @@ def _cases() -> dict:
 CASE_NAMES = [f"{k}-{d}" for k in ("add_layernorm", "layernorm_gelu", "linear_bias_gelu", "linear_residual",
                                    "linear_add_layernorm", "ffn", "attention", "rope") for d in DTYPES] + [
     "attention-fully-masked-matches-sdpa", "layernorm-shifted-statistics-mean-1e4",
-    "layernorm-huge-and-non-finite-values", "gelu-forms-not-swapped",
+    "layernorm-huge-and-non-finite-values", "add_layernorm-row-broadcast-residual", "gelu-forms-not-swapped",
     "registry-has-cuda-kernels"]
 
 

@@ -7,8 +7,14 @@ Regenerate (then REVIEW the diff: a changed count is a behaviour change):
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
+
+# The test tier's decisions (tests/cpu/conftest.py): the traffic gate and the static CPU
+# profile, so that a golden plan does not depend on this machine's timings.
+os.environ.setdefault("OPFUSE_DECIDE", "rho")
+os.environ.setdefault("OPFUSE_MEASURE_DEVICE", "0")
 
 HERE = Path(__file__).parent
 

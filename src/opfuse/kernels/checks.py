@@ -108,8 +108,19 @@ def check_add_layernorm(
     if bias is not None:
         check_tensor(op, "bias", bias, device_type=device_type)
     check_same(op, x=x, residual=residual)
-    check_shape(op, "residual", residual, tuple(x.shape))
+    check_broadcast_rows(op, "residual", residual, x)
     return check_row_affine(op, x, weight, bias)
+
+
+def check_broadcast_rows(op: str, name: str, t: torch.Tensor, x: torch.Tensor) -> None:
+    """``t`` broadcasts to ``x``'s shape over the leading dims only (same last dim; e.g.
+    position embeddings [1, S, E] added to [B, S, E]): the kernels expand it row-wise."""
+    shape, full = tuple(t.shape), tuple(x.shape)
+    ok = (len(shape) <= len(full) and shape[-1:] == full[-1:] and
+          all(a in (1, b) for a, b in zip((1,) * (len(full) - len(shape)) + shape, full)))
+    if not ok:
+        raise ValueError(f"opfuse.{op}: {name} shape {shape} does not broadcast to x shape {full} over the leading "
+                         "dims (the last dim must be equal)")
 
 
 def check_layernorm_gelu(

@@ -147,8 +147,27 @@ def _check_ln(match, x: str) -> str | None:
                          check_float(match, x))
 
 
+def _full_and_broadcast(match) -> tuple[str, str]:
+    """(operand with the sum's shape, the other): add commutes exactly, so the kernel's x is
+    whichever operand already has the full shape."""
+    return ("r", "x") if shape(match.inputs["x"]) != shape(match.outputs[0]) else ("x", "r")
+
+
 def check_add_layernorm(match) -> str | None:
-    return first_problem(check_same_shape(match, "x", "r"), _check_ln(match, "x"), check_float(match, "r"))
+    full, other = _full_and_broadcast(match)
+    match.params["swap"] = full == "r"
+    fs, os_ = shape(match.inputs[full]), shape(match.inputs[other])
+    problem = None
+    if fs != shape(match.outputs[0]):
+        problem = check_same_shape(match, "x", "r")  # neither operand has the sum's shape
+    elif os_ != fs:
+        padded = (1,) * (len(fs) - len(os_)) + tuple(os_)
+        if len(os_) > len(fs) or padded[-1:] != fs[-1:] or any(a not in (1, b) for a, b in zip(padded, fs)):
+            user = next((n.name for n in match.region if match.inputs[other] in n.all_input_nodes), "?")
+            problem = (f"check row-broadcast failed at {user}: {match.inputs[other].name} has shape "
+                       f"{list(os_ or [])}, which does not broadcast to {list(fs)} over the leading dims only "
+                       "(the kernel expands a residual row-wise, never within a row)")
+    return first_problem(problem, _check_ln(match, full), check_float(match, "x", "r"))
 
 
 def _linear_node(match):
@@ -195,7 +214,10 @@ def check_layernorm_gelu(match) -> str | None:
 
 
 def build_add_layernorm(graph, inputs, literals, params):
-    args = (inputs["x"], inputs["r"], inputs["g"], inputs["b"], float(literals["eps"]))
+    x, r = inputs["x"], inputs["r"]
+    if params.get("swap"):  # x is the row-broadcast operand: the kernel's x must have the full shape
+        x, r = r, x
+    args = (x, r, inputs["g"], inputs["b"], float(literals["eps"]))
     if params.get("emit"):
         both = graph.call_function(torch.ops.opfuse.add_layernorm_sum.default, args)
         return [graph.call_function(operator.getitem, (both, 0)), graph.call_function(operator.getitem, (both, 1))]

@@ -59,7 +59,7 @@ def add_layernorm(
     """LayerNorm(x + residual) over the last dim; returns (out, x + residual or None)."""
     n = check_add_layernorm(x, residual, weight, bias, device_type="cpu")
 
-    x2, r2 = f32_rows(x, n), f32_rows(residual, n)  # [M, N]
+    x2, r2 = f32_rows(x, n), f32_rows(residual.expand(x.shape), n)  # [M, N] (a row-broadcast residual: one copy)
     out = np.empty_like(x2)  # [M, N]
     s = np.empty_like(x2) if emit_sum else out  # [M, N]; untouched unless emit_sum
     launch(_add_layernorm_kernel, x2.size)(x2, r2, f32_vec(weight, n), f32_vec(bias, n), np.float32(eps), out, s, bool(emit_sum))

@@ -81,7 +81,7 @@ def add_layernorm(
     """LayerNorm(x + residual) over the last dim; returns (out, x + residual or None)."""
     n = check_add_layernorm(x, residual, weight, bias, device_type=DEVICE_TYPE)
 
-    x2, r2 = _rows(x, n), _rows(residual, n)  # [M, N]
+    x2, r2 = _rows(x, n), _rows(residual.expand(x.shape), n)  # [M, N] (a row-broadcast residual: one copy)
     m = x2.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)  # [M, N]
     s = torch.empty_like(out) if emit_sum else out  # [M, N]
