@@ -274,8 +274,14 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
 
 def explain(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, device=None,
             example_kwargs: dict | None = None, name: str | None = None) -> FusionReport:
-    """The :class:`FusionReport` of ``optimize`` without rewriting (nothing is fused or run
-    except capture, matching and the cost model)."""
+    """The :class:`FusionReport` of ``optimize`` without rewriting: one eager forward on
+    copies of the inputs (the Python-state check; buffers restored), capture, matching and
+    the cost model — no kernel runs, nothing is verified or timed (the plan is the traffic
+    gate's: ``decide="time"`` needs the fused kernels).
+
+    Raises:
+        OptimizeError: bad input; opfuse.graph.capture.CaptureError: the model cannot be
+            captured whole (``optimize`` would fuse it in pieces)."""
     kwargs = dict(example_kwargs or {})
     _check_inputs(model, example_inputs, kwargs)
     return pipeline.run(model, tuple(example_inputs), kwargs, theta=theta, device=device, verify=False,
