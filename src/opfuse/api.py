@@ -7,7 +7,6 @@ from collections import OrderedDict
 import torch
 
 from . import pipeline
-from .graph.meta import tensor_values
 from .graph.capture import CaptureError, PythonStateError
 from .report.data import FusionReport
 
@@ -157,9 +156,8 @@ class FusedModule(torch.nn.Module):
         self._structure = _structure(model)
         self._slots = _weight_slots(model)
         self._version = _weights_version(self._slots, self._live)
-        tensors = {fqn: owner[name] for owner, name, fqn in self._slots}
-        self._fingerprints = {fqn: _fingerprint(tensors[fqn]) for fqn in self._derived
-                              if fqn in tensors and not _has_version(tensors[fqn])}
+        self._fingerprints = [(owner, name, fqn, _fingerprint(owner[name])) for owner, name, fqn in self._slots
+                              if fqn in self._derived and not _has_version(owner[name])]
 
     def _stale(self) -> str | None:
         """Why the plans no longer describe the model (None while they do)."""
@@ -170,11 +168,9 @@ class FusedModule(torch.nn.Module):
                 return "a submodule, parameter or buffer of the model was replaced"
         if _weights_version(self._slots, self._live) != self._version:
             return "a parameter or buffer changed (in place, .data, dtype or device)"
-        if self._fingerprints:
-            tensors = {fqn: owner[name] for owner, name, fqn in self._slots}
-            for fqn, fp in self._fingerprints.items():
-                if not torch.equal(_fingerprint(tensors[fqn]), fp):
-                    return f"inference-mode tensor {fqn} (folded into the plan) changed"
+        for owner, name, fqn, fp in self._fingerprints:
+            if not torch.equal(_fingerprint(owner[name]), fp):
+                return f"inference-mode tensor {fqn} (folded into the plan) changed"
         return None
 
     def plan_for(self, args: tuple, kwargs: dict):
