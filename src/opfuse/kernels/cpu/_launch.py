@@ -30,12 +30,15 @@ def check_tensor(op: str, name: str, t: object, ndim_min: int = 1) -> torch.Tens
 
 def f32(t: torch.Tensor) -> torch.Tensor:
     """Detached float32 C-contiguous tensor; no copy when ``t`` already is one."""
+    if t.dtype is torch.float32 and t.is_contiguous():
+        return t.detach()  # the common case, without a dispatcher round trip (~1 µs)
     return t.detach().to(dtype=torch.float32, memory_format=torch.contiguous_format)
 
 
 def f32_rows(t: torch.Tensor, n: int) -> np.ndarray:
-    """[..., n] tensor -> [M, n] float32 C-contiguous numpy view."""
-    return f32(t).reshape(-1, n).numpy()
+    """[..., n] tensor -> [M, n] float32 C-contiguous numpy view (reshaped in numpy:
+    ~2 µs less per call than torch's reshape)."""
+    return f32(t).numpy().reshape(-1, n)
 
 
 def f32_vec(t: torch.Tensor | None, n: int) -> np.ndarray:
@@ -43,6 +46,13 @@ def f32_vec(t: torch.Tensor | None, n: int) -> np.ndarray:
     if t is None:
         return np.zeros(n, dtype=np.float32)
     return f32(t).numpy()
+
+
+def to_torch(a: np.ndarray, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A float32 kernel output as a tensor of ``shape`` and ``dtype``, without a copy when
+    ``dtype`` is float32 (reshaped in numpy first: torch's ``view`` costs ~4 µs a call)."""
+    out = torch.from_numpy(a.reshape(shape))
+    return out if dtype is torch.float32 else out.to(dtype)
 
 
 PARALLEL_MIN_WORK = 1 << 16  # elements; below this a parallel launch costs more than it saves

@@ -17,7 +17,7 @@ from numba import njit, prange
 
 from opfuse.kernels.cpu import _math
 from opfuse.kernels.checks import check_add_layernorm
-from opfuse.kernels.cpu._launch import f32_rows, f32_vec, launch
+from opfuse.kernels.cpu._launch import f32_rows, f32_vec, launch, to_torch
 from opfuse.kernels.registry import register
 
 
@@ -64,6 +64,6 @@ def add_layernorm(
     s = np.empty_like(x2) if emit_sum else out  # [M, N]; untouched unless emit_sum
     launch(_add_layernorm_kernel, x2.size)(x2, r2, f32_vec(weight, n), f32_vec(bias, n), np.float32(eps), out, s, bool(emit_sum))
 
-    out_t = torch.from_numpy(out).view(x.shape).to(x.dtype)
-    sum_t = torch.from_numpy(s).view(x.shape).to(x.dtype) if emit_sum else None
+    out_t = to_torch(out, tuple(x.shape), x.dtype)
+    sum_t = to_torch(s, tuple(x.shape), x.dtype) if emit_sum else None
     return out_t, sum_t

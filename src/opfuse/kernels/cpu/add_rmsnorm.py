@@ -21,7 +21,7 @@ from numba import njit, prange
 
 from opfuse.kernels.cpu import _math
 from opfuse.kernels.checks import check_add_rmsnorm
-from opfuse.kernels.cpu._launch import f32_rows, f32_vec, launch
+from opfuse.kernels.cpu._launch import f32_rows, f32_vec, launch, to_torch
 from opfuse.kernels.cpu.rmsnorm import ROUND_CODE, row_rms_apply, row_rms_rstd, row_round
 from opfuse.kernels.registry import register
 
@@ -54,5 +54,5 @@ def add_rmsnorm(
     out = np.empty_like(x2)  # [M, N]
     s = np.empty_like(x2)  # [M, N]
     launch(_add_rmsnorm_kernel, x2.size)(x2, r2, f32_vec(weight, n), np.float32(eps), out, s, ROUND_CODE[x.dtype])
-    out_t = torch.from_numpy(out).view(x.shape).to(torch.promote_types(x.dtype, weight.dtype))
-    return out_t, torch.from_numpy(s).view(x.shape).to(x.dtype)
+    out_t = to_torch(out, tuple(x.shape), torch.promote_types(x.dtype, weight.dtype))
+    return out_t, to_torch(s, tuple(x.shape), x.dtype)

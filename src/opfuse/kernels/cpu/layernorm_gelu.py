@@ -16,7 +16,7 @@ from numba import njit, prange
 
 from opfuse.kernels.cpu import _math
 from opfuse.kernels.checks import check_layernorm_gelu
-from opfuse.kernels.cpu._launch import f32_rows, f32_vec, launch
+from opfuse.kernels.cpu._launch import f32_rows, f32_vec, launch, to_torch
 from opfuse.kernels.registry import register
 
 @njit(parallel=True, error_model="numpy", cache=True)
@@ -44,4 +44,4 @@ def layernorm_gelu(
     x2 = f32_rows(x, n)  # [M, N]
     out = np.empty_like(x2)  # [M, N]
     launch(_layernorm_gelu_kernel, x2.size)(x2, f32_vec(weight, n), f32_vec(bias, n), np.float32(eps), approximate == "tanh", out)
-    return torch.from_numpy(out).view(x.shape).to(x.dtype)
+    return to_torch(out, tuple(x.shape), x.dtype)

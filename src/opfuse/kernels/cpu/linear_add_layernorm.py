@@ -29,7 +29,7 @@ import torch
 
 from opfuse.kernels.checks import check_linear_add_layernorm
 from opfuse.kernels.cpu import _gemm
-from opfuse.kernels.cpu._launch import f32, f32_rows, f32_vec, launch
+from opfuse.kernels.cpu._launch import f32, f32_rows, f32_vec, launch, to_torch
 from opfuse.kernels.cpu.add_layernorm import _add_layernorm_kernel
 from opfuse.kernels.registry import register
 
@@ -64,5 +64,5 @@ def linear_add_layernorm(
 
     shape = (*x.shape[:-1], n)
     out_t = h.view(shape).to(x.dtype)
-    sum_t = torch.from_numpy(s).view(shape).to(x.dtype) if emit_sum else None
+    sum_t = to_torch(s, shape, x.dtype) if emit_sum else None
     return out_t, sum_t

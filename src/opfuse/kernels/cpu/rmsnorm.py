@@ -24,7 +24,7 @@ from numba import njit, prange
 
 from opfuse.kernels.cpu import _math
 from opfuse.kernels.checks import check_rmsnorm
-from opfuse.kernels.cpu._launch import f32_rows, f32_vec, launch
+from opfuse.kernels.cpu._launch import f32_rows, f32_vec, launch, to_torch
 from opfuse.kernels.registry import register
 
 _JIT = dict(error_model="numpy", cache=True)
@@ -128,4 +128,4 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = f32_rows(x, n)  # [M, N]
     out = np.empty_like(x2)  # [M, N]
     launch(_rmsnorm_kernel, x2.size)(x2, f32_vec(weight, n), np.float32(eps), out, ROUND_CODE[x.dtype])
-    return torch.from_numpy(out).view(x.shape).to(torch.promote_types(x.dtype, weight.dtype))
+    return to_torch(out, tuple(x.shape), torch.promote_types(x.dtype, weight.dtype))
