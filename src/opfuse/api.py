@@ -8,22 +8,12 @@ import torch
 
 from . import pipeline
 from .graph.capture import CaptureError, PythonStateError
+from .graph.meta import input_signature
 from .report.data import FusionReport
 
 
 class OptimizeError(ValueError):
     """Bad input to :func:`optimize`; the message names the problem."""
-
-
-def _signature(args: tuple, kwargs: dict) -> tuple:
-    """(shape, dtype, device, contiguity) of every tensor input, plus non-tensor values."""
-    def one(v):
-        if isinstance(v, torch.Tensor):
-            return ("T", tuple(v.shape), v.dtype, v.device.type, v.is_contiguous())
-        if isinstance(v, (list, tuple)):
-            return tuple(one(x) for x in v)
-        return ("V", repr(v))
-    return (tuple(one(a) for a in args), tuple(sorted((k, one(v)) for k, v in kwargs.items())))
 
 
 def _check_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -178,7 +168,7 @@ class FusedModule(torch.nn.Module):
             reason = self._stale()
             if reason:
                 self.refresh(reason)
-        key = _signature(args, kwargs)
+        key = input_signature(args, kwargs)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(args, kwargs)

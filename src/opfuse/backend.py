@@ -142,9 +142,9 @@ class CompiledGraph:
         return None
 
     def _key(self, args) -> tuple:
-        from .api import _signature
+        from .graph.meta import input_signature
         static = tuple(id(args[i]) for i in self.static)  # versions: guarded by the FusedModule
-        return _signature(tuple(a for i, a in enumerate(args) if i not in self.static), {}), static
+        return input_signature(tuple(a for i, a in enumerate(args) if i not in self.static), {}), static
 
     def _optimize(self, key, args):
         from .api import optimize

@@ -27,6 +27,7 @@ import torch
 
 from .cost.device import cpu_model, load_cache, save_cache
 from .cost.select import select
+from .graph.meta import input_signature
 
 CACHE = "region_times.json"
 MODES = ("time", "rho")
@@ -44,14 +45,6 @@ def check_mode(mode: str | None) -> str:
     if mode not in MODES:
         raise ValueError(f"opfuse: decide must be one of {MODES}, got {mode!r}")
     return mode
-
-
-def _signature(feeds: list) -> str:
-    def one(v):
-        if isinstance(v, torch.Tensor):
-            return f"{list(v.shape)}:{str(v.dtype).replace('torch.', '')}:{'c' if v.is_contiguous() else 's'}"
-        return repr(v)
-    return ",".join(one(v) for v in feeds)
 
 
 def measure_region(cand, env: dict) -> tuple[float, float]:
@@ -75,8 +68,8 @@ def measure_region(cand, env: dict) -> tuple[float, float]:
 def _key(cand, env: dict) -> str:
     m = cand.match
     feeds = [env[n] if isinstance(n, torch.fx.Node) else n for n in m.inputs.values()]
-    return (f"v2 | {cpu_model()} | threads={torch.get_num_threads()} | {m.pattern.name}/{m.pattern.variant} | "
-            f"{_signature(feeds)}")
+    return (f"v3 | {cpu_model()} | threads={torch.get_num_threads()} | {m.pattern.name}/{m.pattern.variant} | "
+            f"{input_signature(tuple(feeds), {})!r}")
 
 
 def decide_by_time(cands: list, env: dict, theta: float, timer: Callable | None = None) -> int:

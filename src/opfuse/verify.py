@@ -55,8 +55,8 @@ def record_values(gm: fx.GraphModule, args: tuple, kwargs: dict) -> dict[fx.Node
     destinations, see :func:`opfuse.graph.state.mutated_targets`) are recorded as copies
     taken before the write, so a region is checked against the values it reads."""
     env: dict[fx.Node, object] = {}
-    written = {n.args[0] for n in gm.graph.nodes
-               if n.op == "call_function" and n.target is torch.ops.aten.copy_.default}
+    from .graph.state import StateSnapshot, copy_inputs, write_backs
+    written = set(write_backs(gm.graph))
 
     class _Recorder(fx.Interpreter):
         def run_node(self, n):
@@ -64,7 +64,6 @@ def record_values(gm: fx.GraphModule, args: tuple, kwargs: dict) -> dict[fx.Node
             env[n] = out.clone() if n in written and isinstance(out, torch.Tensor) else out
             return out
 
-    from .graph.state import StateSnapshot, copy_inputs
     snap = StateSnapshot.take(gm)  # the program may write buffers it shares with the model
     flat = gm.graph._codegen.process_inputs(*copy_inputs(args, kwargs))
     try:

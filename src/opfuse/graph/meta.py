@@ -94,3 +94,15 @@ def node_flops(node: fx.Node) -> int:
         return b_h * (4 * sq * sk * d + 5 * sq * sk)
     per = _FLOPS_PER_ELEMENT.get(t, 0)
     return per * sum(v.numel() for v in tensor_values(out))
+
+
+def input_signature(args: tuple, kwargs: dict) -> tuple:
+    """(shape, dtype, device, contiguity) of every tensor input, plus non-tensor values: the
+    key of a plan (FusedModule, the compile backend) and of a region's measured times."""
+    def one(v):
+        if isinstance(v, torch.Tensor):
+            return ("T", tuple(v.shape), v.dtype, v.device.type, v.is_contiguous())
+        if isinstance(v, (list, tuple)):
+            return tuple(one(x) for x in v)
+        return ("V", repr(v))
+    return (tuple(one(a) for a in args), tuple(sorted((k, one(v)) for k, v in kwargs.items())))

@@ -109,19 +109,23 @@ def is_mutating(node: fx.Node) -> bool:
     return bool(schema is not None and schema.is_mutable)
 
 
+def write_backs(graph: fx.Graph) -> list[fx.Node]:
+    """The inputs / attributes a functional captured program writes: every ``aten.copy_``
+    destination (torch.export's unlifted module writes mutated buffers and inputs back
+    with ``copy_`` at the end of the graph)."""
+    return [n.args[0] for n in graph.nodes if n.op == "call_function" and n.target is aten.copy_.default
+            and isinstance(n.args[0], fx.Node)]
+
+
 def mutated_targets(graph: fx.Graph) -> dict[str, set[str]]:
-    """What a functional captured program writes: ``{"buffers": get_attr targets,
-    "inputs": placeholder names}`` of every ``copy_`` destination (torch.export's
-    unlifted module writes mutated buffers and inputs back with ``aten.copy_`` at the
-    end of the graph)."""
+    """What a functional captured program writes (:func:`write_backs`) by name:
+    ``{"buffers": get_attr targets, "inputs": placeholder names}``."""
     out: dict[str, set[str]] = {"buffers": set(), "inputs": set()}
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is aten.copy_.default and isinstance(node.args[0], fx.Node):
-            dest = node.args[0]
-            if dest.op == "get_attr":
-                out["buffers"].add(dest.target)
-            elif dest.op == "placeholder":
-                out["inputs"].add(dest.target)
+    for dest in write_backs(graph):
+        if dest.op == "get_attr":
+            out["buffers"].add(dest.target)
+        elif dest.op == "placeholder":
+            out["inputs"].add(dest.target)
     return out
 
 
