@@ -197,6 +197,31 @@ class FusedModule(torch.nn.Module):
             from .partial import plan_in_pieces
             return plan_in_pieces(self._model[0], args, kwargs, str(exc), options)
 
+    @property
+    def generation(self):
+        """:class:`opfuse.generate.Generation` of this module (its prefill/decode plans,
+        static-cache pool and the latest call's step timings); created on first use."""
+        if getattr(self, "_generation", None) is None:
+            from .generate import Generation
+            self._generation = Generation(self._model[0], self._options)
+        return self._generation
+
+    def generate(self, input_ids: torch.Tensor, **kwargs):
+        """Hugging Face ``generate`` (same arguments and results: greedy, sampling,
+        ``max_new_tokens``, ``min_new_tokens``, eos/pad, ``attention_mask`` with left padding)
+        over a fused prefill graph and a fused decode-step graph with a preallocated KV cache
+        written in place (:mod:`opfuse.generate`).
+
+        Args:
+            input_ids: [batch, prompt] int64 token ids.
+        Returns:
+            what the model's ``generate`` returns (a [batch, prompt + new] tensor by default).
+        Raises:
+            opfuse.generate.GenerateError: the model has no LM head, beam search, a cache
+                that is not a big enough StaticCache, or a length beyond the model's positions.
+        """
+        return self.generation.generate(input_ids, **kwargs)
+
     def forward(self, *args, **kwargs):
         plan = self.plan_for(args, kwargs)
         with torch.no_grad():

@@ -22,7 +22,7 @@ from .graph.meta import nbytes, tensor_values
 from .patterns import LIBRARY, SPELLINGS, Pattern, find_matches
 from .report.data import FusionReport, RegionRecord
 from .report.graph import graph_summary
-from .rewrite import respell, rewrite
+from .rewrite import inplace_cache_writes, respell, rewrite
 from .timegate import check_mode as check_decide
 from .timegate import decide_by_time
 from .verify import model_error, record_values, verify_regions
@@ -158,6 +158,7 @@ def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph
     if rewrite_graph:
         rewrite(gm, cands);                                         lap("rewrite")
         gemms = apply_gemm_choices(gm, gemm);                       lap("gemm")
+        in_place = inplace_cache_writes(gm);                        lap("in place")
     report = make_report(model, args, kwargs, theta, cands, near, whole, timings, name)
     report.verified = bool(verify)
     if not report.regions and not report.near_misses:  # say why nothing fused, not just "none"
@@ -167,6 +168,7 @@ def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph
     report.respelled = respelled
     if rewrite_graph:
         report.gemm = [asdict(g) for g in gemms]
+        report.inplace_writes = in_place
     if verify and rewrite_graph:
         report.max_error = model_error(model, gm, args, kwargs);   lap("check model")
     report.ops_before = before

@@ -60,7 +60,6 @@ def rewrite_region(gm: fx.GraphModule, match, replaced: dict) -> list[fx.Node]:
         new.meta["val"] = old.meta.get("val")
         old.replace_all_uses_with(new)
         replaced[old] = new
-        relax_views(new)
     for node in reversed(list(graph.nodes)):
         if node in region and not node.users:
             graph.erase_node(node)
@@ -70,25 +69,24 @@ def rewrite_region(gm: fx.GraphModule, match, replaced: dict) -> list[fx.Node]:
 _STRIDED_VIEWS = {aten.view.default, aten._unsafe_view.default}
 
 
-def relax_views(node: fx.Node) -> int:
-    """Turn every ``view`` reached from ``node`` through view-like ops into ``reshape``.
+def relax_views(gm: fx.GraphModule) -> int:
+    """Turn every ``view`` computed from a fused op's output (through any chain of ops)
+    into ``reshape``.
 
     A fused op's output layout can differ from the op it replaces (ATen's CPU SDPA returns
     [B, H, S, D] laid out as [B, S, H, D], so ``transpose(1, 2)`` of it is contiguous and
     export recorded a plain ``view`` after it; opfuse's attention returns contiguous
-    [B, H, S, D]). ``reshape`` is that ``view`` where the strides allow, one copy where
-    they do not. Returns how many nodes changed."""
-    from .graph.meta import VIEW_OPS
-    changed, todo, seen = 0, list(node.users), set()
-    while todo:
-        user = todo.pop()
-        if user in seen or user.op != "call_function" or user.target not in VIEW_OPS | _STRIDED_VIEWS:
-            continue
-        seen.add(user)
-        if user.target in _STRIDED_VIEWS:
-            user.target = aten.reshape.default
-            changed += 1
-        todo += list(user.users)
+    [B, H, S, D]), and an unfused op downstream inherits the difference (SDPA's output
+    layout follows its query's: a fused RoPE upstream changes it). ``reshape`` is that
+    ``view`` where the strides allow, one copy where they do not. Returns how many nodes
+    changed."""
+    changed, tainted = 0, set()
+    for node in gm.graph.nodes:
+        if "opfuse_pattern" in node.meta or any(i in tainted for i in node.all_input_nodes):
+            tainted.add(node)
+            if node.op == "call_function" and node.target in _STRIDED_VIEWS:
+                node.target = aten.reshape.default
+                changed += 1
     return changed
 
 
@@ -154,6 +152,45 @@ def respell(gm: fx.GraphModule, matches: list) -> dict[str, int]:
     return done
 
 
+def _aliases(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema is None or any(r.alias_info is not None for r in schema.returns)
+
+
+def inplace_cache_writes(gm: fx.GraphModule) -> int:
+    """Put a functionalised cache write back in place: ``new = index_copy(buf, d, i, x)``
+    … ``copy_(buf, new)`` (how torch.export spells ``buf.index_copy_(d, i, x)``, the
+    KV-cache update of HF's StaticCache) becomes ``index_copy_(buf, d, i, x)`` at the
+    position of ``new``, every reader of ``new`` reading ``buf``: the cache is written
+    once, in place, instead of copied whole twice per token.
+
+    Legal only when nothing reads the old ``buf`` after the write: every other user of
+    ``buf`` comes before ``new`` in graph order and is no view of it (a view would see the
+    write). Returns the number of writes put in place."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    done = 0
+    for copy in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.copy_.default]:
+        buf, new = copy.args[0], copy.args[1]
+        if not (isinstance(new, fx.Node) and new.op == "call_function" and new.target is aten.index_copy.default
+                and new.args[0] is buf and buf.op in ("placeholder", "get_attr") and not new.kwargs
+                and not copy.users):
+            continue
+        others = [u for u in buf.users if u is not new and u is not copy]
+        if any(order[u] > order[new] or _aliases(u) for u in others):
+            continue
+        with gm.graph.inserting_before(new):
+            inplace = gm.graph.call_function(aten.index_copy_.default, new.args)
+        inplace.meta = dict(new.meta)
+        new.replace_all_uses_with(inplace)
+        gm.graph.erase_node(copy)
+        gm.graph.erase_node(new)
+        done += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
 def rewrite(gm: fx.GraphModule, cands: list) -> None:
     """Rewrite every candidate whose decision is ``"fused"`` (in graph order); a region
     that cannot be scheduled is marked ``rejected`` with the reason."""
@@ -164,6 +201,7 @@ def rewrite(gm: fx.GraphModule, cands: list) -> None:
             rewrite_region(gm, cand.match, replaced)
         except RewriteError as exc:
             cand.decision, cand.reason = "rejected", str(exc)
+    relax_views(gm)
     fold_parameter_concats(gm)
     gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op != "call_function" or
                                  getattr(n.target, "_schema", None) is None or n.target._schema.is_mutable

@@ -110,11 +110,11 @@ def is_mutating(node: fx.Node) -> bool:
 
 
 def write_backs(graph: fx.Graph) -> list[fx.Node]:
-    """The inputs / attributes a functional captured program writes: every ``aten.copy_``
-    destination (torch.export's unlifted module writes mutated buffers and inputs back
-    with ``copy_`` at the end of the graph)."""
-    return [n.args[0] for n in graph.nodes if n.op == "call_function" and n.target is aten.copy_.default
-            and isinstance(n.args[0], fx.Node)]
+    """The inputs / attributes a captured program writes: every ``aten.copy_`` destination
+    (torch.export's unlifted module writes mutated buffers and inputs back with ``copy_`` at
+    the end of the graph) and the destination of every in-place op that the rewrite put
+    back (:func:`opfuse.rewrite.inplace_cache_writes`: ``index_copy_`` into a KV cache)."""
+    return [n.args[0] for n in graph.nodes if is_mutating(n) and n.args and isinstance(n.args[0], fx.Node)]
 
 
 def mutated_targets(graph: fx.Graph) -> dict[str, set[str]]:

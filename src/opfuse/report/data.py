@@ -62,6 +62,7 @@ class FusionReport:
     # how the model was captured: {"mode": "whole"}, or (opfuse.partial) {"mode": "pieces",
     # "reason": why torch.export refused the whole model, "pieces": n, "unfused": [why per piece]}
     capture: dict = field(default_factory=lambda: {"mode": "whole"})
+    inplace_writes: int = 0   # functionalised cache writes put back in place (rewrite.inplace_cache_writes)
 
     @property
     def fused(self) -> list[RegionRecord]:

@@ -1,0 +1,255 @@
+"""``fused.generate(...)``: Hugging Face generation over a fused prefill graph and a fused
+decode-step graph, with a preallocated KV cache written in place.
+
+::
+
+    fused.generate(input_ids, attention_mask=..., **hf_kwargs)
+      │ Hugging Face's own ``model.generate`` loop (logits processors, greedy / sampling,
+      │ min/max_new_tokens, eos/pad, stopping criteria): its semantics are HF's, unchanged
+      │ model.forward routed, for the call, to dynamo → opfuse (one CompiledGraph per graph)
+      │ cache = a StaticCache from this module's pool: [B, H_kv, L, D] per layer and for
+      │         K and V, L = prompt + new tokens rounded up to CACHE_BUCKET (≤ the model's
+      │         max positions), allocated once per (B, L, dtype) and reset in place
+      ▼
+      prefill graph  input_ids [B, P]  (HF asks for the last position's logits only)
+      decode graph   input_ids [B, 1]  one plan per (B, L): every step of every call runs it;
+                     the cache write is an in-place ``index_copy_`` (pipeline pass
+                     ``inplace_cache_writes``), no copy of the cache per token
+
+Sliding-window models (Mistral) get full-length cache layers: the window is applied by the
+attention mask (what HF computes from ``config.sliding_window``), not by rolling the cache,
+whose Python-int position would make dynamo recompile on every step.
+
+Why a StaticCache: a DynamicCache grows by concatenation, so every decode step would have a
+new shape (a new capture and plan per token). Routing replaces ``model.forward`` by an
+instance attribute for the duration of the call (restored afterwards; a concurrent call of
+the same model object from another thread would also run fused).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+import warnings
+from collections import OrderedDict
+
+import torch
+
+#: Cache lengths are rounded up to a multiple of this (tokens), so that calls with nearby
+#: prompt / generation lengths share the decode plan.
+CACHE_BUCKET = 128
+#: Static caches kept per FusedModule (least recently used dropped first).
+MAX_CACHES = 2
+
+
+class GenerateError(ValueError):
+    """``fused.generate`` cannot run this request; the message names the problem."""
+
+
+def _text_config(model):
+    cfg = model.config
+    return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+
+
+def _position_limit(cfg) -> int | None:
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _kv_shape(cfg) -> tuple[int, int]:
+    """(key/value heads, head dim) of the decoder's attention."""
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return kv, head_dim
+
+
+def check_can_generate(model: torch.nn.Module) -> None:
+    """Raises GenerateError unless ``model`` is a Hugging Face model with a generation head."""
+    can = getattr(type(model), "can_generate", None)
+    if not callable(getattr(model, "generate", None)) or not (callable(can) and can()):
+        raise GenerateError(f"opfuse: {type(model).__name__} has no language-model head, so it cannot generate; "
+                            "optimize a *ForCausalLM / *LMHeadModel (e.g. LlamaForCausalLM) to call generate()")
+
+
+def wanted_length(model, input_ids: torch.Tensor, kwargs: dict) -> int:
+    """Tokens the cache must hold: prompt + new tokens (HF's ``max_new_tokens``, else
+    ``max_length``, from the call or the generation config).
+
+    Raises:
+        GenerateError: longer than the model's position limit (``max_position_embeddings``)."""
+    gc = kwargs.get("generation_config") or model.generation_config
+    prompt = input_ids.shape[-1]
+    new = kwargs.get("max_new_tokens", getattr(gc, "max_new_tokens", None))
+    total = prompt + new if new is not None else kwargs.get("max_length", gc.max_length)
+    limit = _position_limit(_text_config(model))
+    if limit is not None and total > limit:
+        raise GenerateError(f"opfuse: generating up to {total} tokens (prompt {prompt} + {total - prompt} new) "
+                            f"exceeds the model's {limit} positions (max_position_embeddings)")
+    return total
+
+
+def _own_code(forward):
+    """``forward`` behind a function with a code object of its own. Dynamo keeps compiled
+    graphs, and counts recompiles against ``recompile_limit``, per code object; HF's
+    forwards all run through one decorator's ``wrapped_func``, so without this every
+    model compiled in the process would share (and exhaust) one cache."""
+    def step(*args, **kwargs):
+        return forward(*args, **kwargs)
+    step.__code__ = step.__code__.replace()
+    return step
+
+
+class Generation:
+    """The generation state of one :class:`~opfuse.FusedModule`: the dynamo-compiled
+    forward whose graphs opfuse plans, the static-cache pool and per-call step timings.
+
+    Attributes:
+        graphs: ``(phase, CompiledGraph)`` for every graph dynamo handed over, phase
+            ``"prefill"`` (first forward of a call) or ``"decode"``.
+        last: timings of the latest call: ``prefill_s`` (seconds), ``decode_s`` (seconds
+            per decode step, a list), ``new_tokens``.
+    """
+
+    def __init__(self, model: torch.nn.Module, options: dict):
+        self.model = model
+        self.options = {k: v for k, v in options.items() if k in ("theta", "device", "verify", "gemm", "decide")}
+        self.graphs: list[tuple[str, object]] = []
+        self.caches: OrderedDict = OrderedDict()
+        self.last: dict = {}
+        self._phase = "prefill"
+        self._runner = None
+
+    # -- dynamo → opfuse ------------------------------------------------------------------
+    def _collect(self, gm, example_inputs):
+        from .backend import CompiledGraph
+        compiled = CompiledGraph(gm, example_inputs, dict(self.options, name=f"{type(self.model).__name__} {self._phase}"))
+        self.graphs.append((self._phase, compiled))
+        return compiled
+
+    def _forward(self, *args, **kwargs):
+        if self._runner is None:
+            self._runner = torch.compile(_own_code(type(self.model).forward.__get__(self.model)),
+                                         backend=self._collect, dynamic=False)
+        start = time.perf_counter()
+        out = self._runner(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        if self._phase == "prefill":
+            self.last["prefill_s"] = seconds
+            self._phase = "decode"
+        else:
+            self.last["decode_s"].append(seconds)
+        return out
+
+    # -- the static cache ----------------------------------------------------------------
+    def cache_for(self, batch: int, length: int, dtype: torch.dtype, device: torch.device):
+        """A reset StaticCache of ``length`` tokens for ``batch`` rows (pooled).
+
+        Raises:
+            GenerateError: the decoder has cache layers other than attention K/V."""
+        from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
+        key = (batch, length, dtype, str(device))
+        cache = self.caches.get(key)
+        if cache is not None:
+            self.caches.move_to_end(key)
+            cache.reset()
+            return cache
+        cfg = _text_config(self.model)
+        cache = StaticCache(config=cfg, max_cache_len=length)
+        odd = {type(layer).__name__ for layer in cache.layers} - {"StaticLayer", "StaticSlidingWindowLayer"}
+        if odd:
+            raise GenerateError(f"opfuse: fused generate supports attention K/V caches; this decoder's cache has "
+                                f"{', '.join(sorted(odd))} layers (run model.generate unfused)")
+        cache.layers = [StaticLayer(max_cache_len=length) if isinstance(layer, StaticSlidingWindowLayer) else layer
+                        for layer in cache.layers]
+        heads, head_dim = _kv_shape(cfg)
+        cache.early_initialization(batch_size=batch, num_heads=heads, head_dim=head_dim, dtype=dtype, device=device)
+        self.caches[key] = cache
+        while len(self.caches) > MAX_CACHES:
+            self.caches.popitem(last=False)
+        return cache
+
+    # -- one generate call ---------------------------------------------------------------
+    def generate(self, input_ids: torch.Tensor, **kwargs):
+        model = self.model
+        check_can_generate(model)
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise GenerateError("opfuse: generate() takes input_ids as a [batch, prompt] integer tensor")
+        gc = kwargs.get("generation_config") or model.generation_config
+        if kwargs.get("num_beams", getattr(gc, "num_beams", 1)) not in (None, 1):
+            raise GenerateError("opfuse: fused generate runs greedy search and sampling; beam search "
+                                "(num_beams > 1) is not supported (call the original model's generate)")
+        total = wanted_length(model, input_ids, kwargs)
+        limit = _position_limit(_text_config(model)) or total
+        length = min(limit, math.ceil(total / CACHE_BUCKET) * CACHE_BUCKET)
+        rows = input_ids.shape[0] * (kwargs.get("num_return_sequences") or getattr(gc, "num_return_sequences", 1) or 1)
+        user_cache = kwargs.pop("cache", None) or kwargs.pop("past_key_values", None)
+        if user_cache is not None:
+            from transformers.cache_utils import StaticCache
+            if not isinstance(user_cache, StaticCache):
+                raise GenerateError(f"opfuse: fused generate needs a StaticCache (preallocated, written in place); got "
+                                    f"{type(user_cache).__name__} — omit it and opfuse allocates one")
+            if user_cache.get_max_length() < total:
+                raise GenerateError(f"opfuse: the StaticCache passed holds {user_cache.get_max_length()} tokens; "
+                                    f"this generation needs {total}")
+            cache = user_cache
+        else:
+            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+            cache = self.cache_for(rows, length, dtype, input_ids.device)
+        self.last = {"prefill_s": None, "decode_s": [], "cache_tokens": cache.get_max_length(), "rows": rows}
+        self._phase = "prefill"
+        had_forward = "forward" in model.__dict__
+        previous = model.__dict__.get("forward")
+        # HF reads the forward's signature (which inputs to prepare: position_ids, logits_to_keep...)
+        @functools.wraps(type(model).forward.__get__(model))
+        def routed(*args, **kw):
+            return self._forward(*args, **kw)
+        model.forward = routed
+        try:
+            with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
+                out = model.generate(input_ids, cache=cache, **kwargs)
+        finally:
+            if had_forward:
+                model.forward = previous
+            else:
+                del model.forward
+        self.last["new_tokens"] = len(self.last["decode_s"]) + 1
+        missing = [p for p in ("prefill", "decode") if p not in {phase for phase, _ in self.graphs}]
+        if missing and (self.last["decode_s"] or "prefill" in missing):
+            # correct (dynamo ran the frame eagerly) but unfused: say so, never silently slower
+            self.last["unfused"] = missing
+            warnings.warn(f"opfuse: dynamo handed over no {' or '.join(missing)} graph (it ran them eagerly, e.g. "
+                          "at its recompile limit): that part of generate() ran unfused", stacklevel=3)
+        return out
+
+    # -- what ran --------------------------------------------------------------------------
+    def plans(self) -> list[dict]:
+        """One row per fused graph: phase, input signature, fused counts per pattern,
+        dispatched ops per call (FX call_function nodes of the fused graph, ``getitem``
+        excluded), calls and fallbacks."""
+        rows = []
+        for phase, compiled in self.graphs:
+            for key, fused in compiled.plans.items():
+                ops, counts = None, {}
+                if fused is not None:
+                    for plan in fused._plans.values():
+                        ops = sum(1 for n in plan.gm.graph.nodes if n.op == "call_function"
+                                  and getattr(n.target, "__name__", "") != "getitem")
+                        counts = plan.report.counts()
+                rows.append({"phase": phase, "signature": str(key[0]), "fused": counts, "ops": ops,
+                             "calls": dict(compiled.calls), "fallbacks": [f.reason for f in compiled.fallbacks]})
+        return rows
+
+    def summary(self) -> dict:
+        """The latest call: prefill seconds, median decode-step seconds, decode tokens/s
+        (rows × steps per second)."""
+        steps = self.last.get("decode_s") or []
+        step = statistics.median(steps) if steps else None
+        return {"prefill_s": self.last.get("prefill_s"), "decode_step_s": step,
+                "decode_tokens_per_s": (self.last.get("rows", 1) / step) if step else None,
+                "new_tokens": self.last.get("new_tokens"), "cache_tokens": self.last.get("cache_tokens")}
