@@ -132,6 +132,8 @@ def cmd_bench(ns, console: Console) -> int:
     """``opfuse bench MODEL``: peers table (+ Amdahl, θ sweep); JSON/CSV with the machine."""
     from opfuse.bench import models as bench
     from opfuse.bench.results import write_csv, write_json
+    if ns.generate:
+        return _bench_generate(ns, console)
     with console.status("benchmarking") as status:
         result = bench.bench_model(ns.model, against=ns.against.split(","), threads=ns.threads, batch=ns.batch,
                                    seq=ns.seq, attn=ns.attn, repeat=ns.repeat, theta=ns.theta,
@@ -148,6 +150,25 @@ def cmd_bench(ns, console: Console) -> int:
     if ns.json:
         write_json(result, ns.json)
         write_csv(bench.csv_rows(result), str(ns.json).removesuffix(".json") + ".csv")
+        console.print(f"wrote {ns.json} (+ .csv)")
+    return 0
+
+
+def _bench_generate(ns, console: Console) -> int:
+    """``opfuse bench MODEL --generate``: prefill / decode tokens/s vs HF eager and HF
+    StaticCache + torch.compile (``inductor`` in ``--against``), with the weight-bandwidth floor."""
+    from opfuse.bench.generate import bench_generate, generate_table
+    from opfuse.bench.results import write_csv, write_json
+    against = [{"inductor": "static-compile"}.get(a.strip(), a.strip()) for a in ns.against.split(",")]
+    with console.status("benchmarking generate") as status:
+        result = bench_generate(ns.model, batch=ns.batch or 1, prompt=ns.prompt, new=ns.new, threads=ns.threads,
+                                against=against, repeat=max(1, min(ns.repeat, 5)), log=lambda s: status.update(s))
+    console.print(generate_table(result))
+    console.print("[dim]shared, noisy machine: medians of interleaved runs; compare ratios, not absolute ms[/]")
+    if ns.json:
+        write_json(result, ns.json)
+        write_csv([{k: v for k, v in r.items() if k != "plans"} for r in result["peers"]],
+                  str(ns.json).removesuffix(".json") + ".csv")
         console.print(f"wrote {ns.json} (+ .csv)")
     return 0
 
@@ -183,6 +204,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--attn", default=None, choices=["eager", "sdpa"], help="default per model")
     b.add_argument("--theta", type=float, default=0.3)
     b.add_argument("--repeat", type=int, default=20)
+    b.add_argument("--generate", action="store_true",
+                   help="token generation (llama, gpt2, qwen2): prefill and decode tokens/s, HF eager / "
+                        "HF StaticCache + torch.compile / opfuse, and the weight-bandwidth floor")
+    b.add_argument("--prompt", type=int, default=128, help="--generate: prompt tokens")
+    b.add_argument("--new", type=int, default=128, help="--generate: new tokens per sequence")
     b.add_argument("--amdahl", action="store_true", help="per-pattern p and S_fused -> predicted vs measured")
     b.add_argument("--theta-sweep", action="store_true", help="regions, traffic, latency for θ = 0, 0.1 … 0.9")
     b.add_argument("--json", help="write the result (with the machine description) here, and a .csv beside it")

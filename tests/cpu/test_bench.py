@@ -152,3 +152,24 @@ def test_cli_bench_writes_json_and_csv(fake_measure, tmp_path, capsys):
     assert [r["peer"] for r in data["peers"]] == ["eager", "opfuse"]
     assert (tmp_path / "r.csv").read_text().startswith("model,")
     assert "vs eager" in capsys.readouterr().out
+
+
+def test_bench_generate_structure(monkeypatch):
+    """``opfuse bench MODEL --generate`` on a tiny Llama: eager and opfuse generate the same
+    tokens, ONNX Runtime / OpenVINO are failed peers with the reason, the floor is the
+    decode step's weight bytes at the measured GEMV bandwidth (no timing asserted)."""
+    from opfuse.bench import generate as bg
+    tiny = ("LlamaForCausalLM", "LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=500))
+    monkeypatch.setitem(bg.GENERATE_MODELS, "llama-tiny", tiny)
+    result = bg.bench_generate("llama-tiny", batch=2, prompt=8, new=4, against=("ort", "openvino"), repeat=1)
+    rows = {r["peer"]: r for r in result["peers"]}
+    assert set(rows) == {"eager", "opfuse", "ort", "openvino"}
+    assert rows["opfuse"]["same_tokens_as_eager"] and rows["eager"]["same_tokens_as_eager"]
+    assert rows["ort"]["status"] == "failed" and "generate" in rows["ort"]["error"]
+    assert {p["phase"] for p in rows["opfuse"]["plans"]} == {"prefill", "decode"}
+    model = bg.build_lm("llama-tiny")
+    emb = model.get_input_embeddings().weight.numel()
+    assert result["floor"]["weight_bytes_per_step"] == 4 * (sum(p.numel() for p in model.parameters()) - emb)
+    assert result["floor"]["decode_step_ms"] > 0 and rows["opfuse"]["decode_tok_s"] > 0
+    assert "decode tok/s" in str([c.header for c in bg.generate_table(result).columns])

@@ -43,9 +43,17 @@ def test_region_measured_slower_is_not_fused_and_the_report_names_the_gate(monke
     (region,) = [r for r in fused.report.regions if r.pattern == "add_layernorm"]
     assert region.decision == "rejected" and region.gate == "time"
     assert region.measured_fused_s == 2e-5 and region.measured_unfused_s == 1e-5
-    assert region.reason.startswith("decided by time: fused 20.0 µs ≥ unfused 10.0 µs")
+    assert region.reason.startswith("decided by time: fused 20.0 µs vs unfused 10.0 µs")
     with torch.no_grad():
         torch.testing.assert_close(fused(*args), model(*args))
+
+
+def test_a_tie_within_the_margin_is_not_fused(monkeypatch):
+    """1% faster is within the timing noise (timegate.MARGIN = 3%): no gain, not fused."""
+    monkeypatch.setattr(timegate, "measure_region", _timer({"add_layernorm": (0.99e-5, 1e-5)}))
+    fused = opfuse.optimize(AddLN().eval(), (torch.randn(8, 32), torch.randn(8, 32)), decide="time")
+    (region,) = [r for r in fused.report.regions if r.pattern == "add_layernorm"]
+    assert region.decision == "rejected" and region.gate == "time" and "not 3% faster" in region.reason
 
 
 def test_region_measured_faster_fuses_with_both_times(monkeypatch):

@@ -1,0 +1,50 @@
+"""Token generation benchmark (issue #13): prefill and decode tokens/s of HF eager, HF
+StaticCache + torch.compile and opfuse (``fused.generate``), ONNX Runtime / OpenVINO as
+failed peers with the reason, beside the weight-bandwidth floor; one JSON + CSV per model,
+batch and thread count under benchmarks/results/ (machine description included).
+
+    python benchmarks/bench_generate.py                      # llama, gpt2, qwen2; batch 1 and 4; 1 thread
+    python benchmarks/bench_generate.py --models llama --batches 1 --threads 1 2 --no-compile
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+
+from opfuse.bench.generate import GENERATE_MODELS, bench_generate, generate_table
+from opfuse.bench.results import write_csv, write_json
+
+OUT = Path(__file__).parent / "results"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=list(GENERATE_MODELS))
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4])
+    ap.add_argument("--threads", nargs="+", type=int, default=[1])
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-compile", action="store_true", help="skip HF StaticCache + torch.compile (cold ~1 min)")
+    ns = ap.parse_args()
+    console = Console()
+    against = ("ort", "openvino") if ns.no_compile else ("static-compile", "ort", "openvino")
+    for threads in ns.threads:
+        for name in ns.models:
+            for batch in ns.batches:
+                with console.status(f"{name} batch {batch}, {threads} thread(s)") as status:
+                    result = bench_generate(name, batch=batch, prompt=ns.prompt, new=ns.new, threads=threads,
+                                            against=against, repeat=ns.repeat, log=status.update)
+                console.print(generate_table(result))
+                path = OUT / f"cpu_generate_{name}_b{batch}_p{ns.prompt}_n{ns.new}_t{threads}.json"
+                write_json(result, path)
+                write_csv([{k: v for k, v in r.items() if k != "plans"} for r in result["peers"]],
+                          str(path).removesuffix(".json") + ".csv")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

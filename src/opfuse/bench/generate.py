@@ -1,0 +1,192 @@
+"""``opfuse bench MODEL --generate``: token generation, opfuse vs Hugging Face eager and HF
+StaticCache + torch.compile, in one process, interleaved rounds after warm-up.
+
+Per system and batch: greedy generation of exactly ``new`` tokens after a ``prompt``-token
+prompt (``min_new_tokens = max_new_tokens``, so every system does the same work), timed
+whole (T_N) and with one new token (T_1, = prefill + one sampling step):
+
+* prefill tokens/s = batch · prompt / T_1
+* decode tokens/s = batch · (new − 1) / (T_N − T_1)
+* end-to-end tokens/s = batch · new / T_N
+
+The floor: a decode step reads every weight of the decoder and the LM head once (the
+embedding table is only gathered), so no system runs a step faster than weight bytes /
+the machine's GEMV bandwidth (measured here: a [1, K] × [K, N] float32 linear on a weight
+of the LM head's size). ONNX Runtime and OpenVINO have no offline ``generate`` path in this
+environment (optimum is not installed): they are listed as failed peers with that reason.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from . import machine
+from .models import set_threads
+
+#: Decoder configs of the generation benchmark (HF defaults otherwise: use_cache=True).
+GENERATE_MODELS = {
+    # issue #13's Llama: 8 layers, hidden 512, GQA 8/4, vocab 32000 (158 MB of weights read per token)
+    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                                                      num_attention_heads=8, num_key_value_heads=4, vocab_size=32000)),
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", {}),  # GPT-2 small, 124 M parameters
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                                                      num_attention_heads=8, num_key_value_heads=2,
+                                                      vocab_size=32000)),
+}
+
+
+def build_lm(name: str, seed: int = 0) -> torch.nn.Module:
+    """A decoder with a language-model head from :data:`GENERATE_MODELS`, random weights,
+    eval mode. Raises KeyError for an unknown name."""
+    import transformers
+    model_cls, config_cls, overrides = GENERATE_MODELS[name]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**overrides)
+    return getattr(transformers, model_cls)(config).eval()
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every weight a decode step reads: all parameters except the input embedding
+    (gathered one row per token), plus the LM head when it is tied to that embedding."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb)
+    if head is not None and head.weight is emb:
+        total += emb.numel() * emb.element_size()
+    return total
+
+
+def gemv_bandwidth(model: torch.nn.Module, repeat: int = 10) -> float:
+    """Bytes/s of a float32 [1, K] × Wᵀ linear on the model's LM head weight (the largest
+    GEMV of a decode step): the best case of a decode step's weight streaming."""
+    w = model.get_output_embeddings().weight.detach()
+    x = torch.randn(1, w.shape[1], dtype=w.dtype)
+    torch.nn.functional.linear(x, w)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        times.append(time.perf_counter() - start)
+    return w.numel() * w.element_size() / min(times)
+
+
+def _peers(model, ids, mask, against, log) -> dict:
+    """name -> (generate(n) callable, cold seconds, error)."""
+    peers: dict = {}
+
+    def eager(n):
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    peers["eager"] = (eager, 0.0, None)
+    log("building opfuse (optimize + first generate: prefill and decode plans)")
+    import opfuse
+    start = time.perf_counter()
+    fused = opfuse.optimize(model, (ids,), example_kwargs={"attention_mask": mask})
+
+    def fused_generate(n):
+        return fused.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    fused_generate(2)
+    peers["opfuse"] = (fused_generate, time.perf_counter() - start, None)
+    peers["opfuse"] += (fused,)
+    if "static-compile" in against:
+        log("building HF StaticCache + torch.compile (inductor)")
+        compiled = torch.compile(type(model).forward.__get__(model), dynamic=False)
+
+        def static_compile(n):
+            model.forward = compiled
+            try:
+                with torch.no_grad():
+                    return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                          do_sample=False, cache_implementation="static")
+            finally:
+                del model.forward
+        start = time.perf_counter()
+        try:
+            static_compile(2)
+            peers["static-compile"] = (static_compile, time.perf_counter() - start, None)
+        except Exception as exc:  # noqa: BLE001  a peer that fails is a result
+            peers["static-compile"] = (None, None, f"{type(exc).__name__}: {str(exc)[:200]}")
+    for name in ("ort", "openvino"):
+        if name in against:
+            peers[name] = (None, None, "no offline generate() path here (needs optimum-onnxruntime / optimum-intel, "
+                                       "not installed): a decoder with a KV cache is not one exported graph")
+    return peers
+
+
+def bench_generate(name: str, batch: int = 1, prompt: int = 128, new: int = 128, threads: int = 1,
+                   against=("static-compile", "ort", "openvino"), repeat: int = 3, log=lambda s: None) -> dict:
+    """Run the generation comparison and return it as plain data (module docstring)."""
+    set_threads(threads)
+    model = build_lm(name)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=g)
+    mask = torch.ones_like(ids)
+    if batch > 1:  # left padding on every other row, as a batch of unequal prompts would have
+        mask[::2, : prompt // 8] = 0
+        pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        ids[::2, : prompt // 8] = pad
+    model.generation_config.pad_token_id = model.generation_config.pad_token_id or 0
+    peers = _peers(model, ids, mask, set(against), log)
+    ok = {k: v for k, v in peers.items() if v[0] is not None}
+    ref = ok["eager"][0](new)
+    same = {k: bool(torch.equal(v[0](new), ref)) for k, v in ok.items()}
+    log(f"timing {', '.join(ok)} ({repeat} interleaved rounds of {new} and of 1 new token)")
+    samples = {k: {"n": [], "one": []} for k in ok}
+    for _ in range(repeat):
+        for k, v in ok.items():
+            for label, n in (("n", new), ("one", 1)):
+                start = time.perf_counter()
+                v[0](n)
+                samples[k][label].append(time.perf_counter() - start)
+    bw = gemv_bandwidth(model)
+    weight_bytes = decode_weight_bytes(model)
+    floor_step_s = weight_bytes / bw
+    rows = []
+    for k, (fn, cold, err, *extra) in peers.items():
+        if fn is None:
+            rows.append({"peer": k, "status": "failed", "error": err})
+            continue
+        t_n, t_1 = statistics.median(samples[k]["n"]), statistics.median(samples[k]["one"])
+        step = (t_n - t_1) / max(1, new - 1)
+        row = {"peer": k, "status": "ok", "cold_s": cold, "total_s": t_n, "prefill_s": t_1,
+               "prefill_tok_s": batch * prompt / t_1, "decode_step_ms": 1e3 * step,
+               "decode_tok_s": batch / step if step > 0 else None, "e2e_tok_s": batch * new / t_n,
+               "vs_floor": step / floor_step_s if step > 0 else None, "same_tokens_as_eager": same[k]}
+        if extra:
+            fused = extra[0]
+            row["plans"] = [{kk: p[kk] for kk in ("phase", "fused", "ops", "fallbacks")}
+                            for p in fused.generation.plans()]
+        rows.append(row)
+    eager_step = next(r["decode_step_ms"] for r in rows if r["peer"] == "eager")
+    for r in rows:
+        if r["status"] == "ok":
+            r["decode_speedup_vs_eager"] = eager_step / r["decode_step_ms"]
+    return {"model": name, "batch": batch, "prompt": prompt, "new": new, "threads": threads, "repeat": repeat,
+            "machine": machine.describe(),
+            "floor": {"weight_bytes_per_step": weight_bytes, "gemv_bytes_per_s": bw,
+                      "decode_step_ms": 1e3 * floor_step_s, "decode_tok_s": batch / floor_step_s},
+            "peers": rows}
+
+
+def generate_table(result: dict):
+    """rich Table of :func:`bench_generate`'s result."""
+    from rich.table import Table
+    f = result["floor"]
+    table = Table(title=f"{result['model']} generate: batch {result['batch']}, prompt {result['prompt']}, "
+                        f"{result['new']} new tokens, {result['threads']} thread(s) — floor {f['decode_tok_s']:.1f} "
+                        f"decode tok/s ({f['weight_bytes_per_step'] / 1e6:.0f} MB per step at "
+                        f"{f['gemv_bytes_per_s'] / 1e9:.1f} GB/s)")
+    for col in ("system", "cold s", "prefill tok/s", "decode ms/step", "decode tok/s", "vs eager", "× floor",
+                "same tokens", "note"):
+        table.add_column(col, justify="left" if col in ("system", "note") else "right")
+    for r in result["peers"]:
+        if r["status"] != "ok":
+            table.add_row(r["peer"], "", "", "", "", "", "", "", f"failed: {r['error']}")
+            continue
+        table.add_row(r["peer"], f"{r['cold_s']:.1f}", f"{r['prefill_tok_s']:.0f}", f"{r['decode_step_ms']:.2f}",
+                      f"{r['decode_tok_s']:.1f}", f"{r['decode_speedup_vs_eager']:.2f}x", f"{r['vs_floor']:.2f}",
+                      "yes" if r["same_tokens_as_eager"] else "NO", "")
+    return table
