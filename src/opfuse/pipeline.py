@@ -22,7 +22,7 @@ from .graph.meta import nbytes, tensor_values
 from .patterns import LIBRARY, SPELLINGS, Pattern, find_matches
 from .report.data import FusionReport, RegionRecord
 from .report.graph import graph_summary
-from .rewrite import inplace_cache_writes, respell, rewrite
+from .rewrite import bind_op_builtins, inplace_cache_writes, respell, rewrite
 from .timegate import check_mode as check_decide
 from .timegate import decide_by_time
 from .verify import model_error, record_values, verify_regions
@@ -159,6 +159,7 @@ def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph
         rewrite(gm, cands);                                         lap("rewrite")
         gemms = apply_gemm_choices(gm, gemm);                       lap("gemm")
         in_place = inplace_cache_writes(gm);                        lap("in place")
+        bind_op_builtins(gm);                                       lap("bind ops")
     report = make_report(model, args, kwargs, theta, cands, near, whole, timings, name)
     report.verified = bool(verify)
     if not report.regions and not report.near_misses:  # say why nothing fused, not just "none"

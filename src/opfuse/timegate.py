@@ -19,9 +19,12 @@ Only CPU regions are timed (a GPU region would need synchronised timing on the d
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -69,11 +72,23 @@ def measure_region(cand, env: dict) -> tuple[float, float]:
     return times["fused"]["min_s"], times["unfused"]["min_s"]
 
 
+@functools.cache
+def kernels_version() -> str:
+    """Hash of the kernel sources (opfuse/kernels/**/*.py): a cached timing is only reused
+    by the kernels that were timed (a faster launcher must be re-measured, not judged by
+    the old one's time)."""
+    root = Path(__file__).parent / "kernels"
+    digest = hashlib.sha1()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:10]
+
+
 def _key(cand, env: dict) -> str:
     m = cand.match
     feeds = [env[n] if isinstance(n, torch.fx.Node) else n for n in m.inputs.values()]
-    return (f"v3 | {cpu_model()} | threads={torch.get_num_threads()} | {m.pattern.name}/{m.pattern.variant} | "
-            f"{input_signature(tuple(feeds), {})!r}")
+    return (f"v4 | {kernels_version()} | {cpu_model()} | threads={torch.get_num_threads()} | "
+            f"{m.pattern.name}/{m.pattern.variant} | {input_signature(tuple(feeds), {})!r}")
 
 
 def decide_by_time(cands: list, env: dict, theta: float, timer: Callable | None = None) -> int:

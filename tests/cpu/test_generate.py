@@ -233,3 +233,32 @@ def test_views_after_an_unfused_op_fed_by_a_fused_one_become_reshapes():
     gm.recompile()
     x = torch.randn(2, 3, 4)
     torch.testing.assert_close(gm(x, x)[0], (-(x * 2)).transpose(1, 2).reshape(2, -1))
+
+
+def test_bound_op_forward_equals_the_graph_and_never_runs_stale():
+    """rewrite.bind_op_builtins: the same program with each op's C++ entry bound; after the
+    graph is changed and recompiled, the new graph runs (not the bound old source)."""
+    from opfuse.rewrite import bind_op_builtins
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(aten.mul.Tensor, (g.call_function(aten.add.Tensor, (x, 1.0)), 3.0))
+    g.output((y,))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert bind_op_builtins(gm) == 2 and "forward" in gm.__dict__
+    t = torch.randn(5)
+    torch.testing.assert_close(gm(t)[0], (t + 1.0) * 3.0)
+    y.target = aten.sub.Tensor  # the graph changes: (x + 1) - 3
+    gm.recompile()
+    torch.testing.assert_close(gm(t)[0], (t + 1.0) - 3.0)
+
+
+def test_pipeline_plans_run_the_bound_forward():
+    model, fused = _fused("llama")
+    ids, mask = _prompt()
+    fused.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert {phase for phase, _ in fused.generation.graphs} == {"prefill", "decode"}
+    for phase, compiled in fused.generation.graphs:
+        for piece in compiled.plans.values():
+            for p in piece._plans.values():
+                assert "forward" in p.gm.__dict__, phase  # bound: the decode step skips OpOverload.__call__

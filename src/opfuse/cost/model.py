@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from ..graph.meta import VIEW_OPS, node_bytes, node_flops, nbytes
+from ..graph.meta import VIEW_OPS, nbytes, node_bytes, node_flops, reshape_copies
 
 
 def tensor_bytes(t) -> int:
@@ -56,7 +56,9 @@ def graph_cost(graph: fx.Graph) -> Cost:
 
 
 def is_view(node: fx.Node) -> bool:
-    return node.op == "call_function" and (node.target in VIEW_OPS or str(node.target) == "<built-in function getitem>")
+    """A view (no kernel, no traffic); a reshape that must copy is a kernel."""
+    return node.op == "call_function" and (str(node.target) == "<built-in function getitem>"
+                                           or node.target in VIEW_OPS and not reshape_copies(node))
 
 
 def unfused_cost(region: list[fx.Node]) -> Cost:

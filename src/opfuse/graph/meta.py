@@ -62,9 +62,30 @@ def input_nodes(node: fx.Node) -> list[fx.Node]:
     return list(seen)
 
 
+def reshape_copies(node: fx.Node) -> bool:
+    """``node`` is a ``reshape`` whose input's strides allow no view of the new shape, so it
+    materialises a copy: HF's ``repeat_kv`` (``expand`` of the K/V heads, then ``reshape``)
+    writes n_rep copies of the cache per layer and step."""
+    if node.op != "call_function" or node.target is not aten.reshape.default:
+        return False
+    src, out = node_value(node.args[0]) if isinstance(node.args[0], fx.Node) else None, node_value(node)
+    if src is None or out is None:
+        return False
+    try:
+        src.view(out.shape)
+    except (RuntimeError, ValueError):  # eager raises RuntimeError, FakeTensor's view ValueError
+        return True
+    except Exception:  # noqa: BLE001  no fake mode to ask: counted as the view it usually is
+        return False
+    return False
+
+
 def node_bytes(node: fx.Node) -> tuple[int, int]:
-    """(bytes read, bytes written) of ``node`` run as its own kernel."""
-    if node.op != "call_function" or node.target in VIEW_OPS or node.target is __import__("operator").getitem:
+    """(bytes read, bytes written) of ``node`` run as its own kernel (views are free; a
+    reshape that must copy, :func:`reshape_copies`, reads its input and writes its output)."""
+    if node.op != "call_function" or node.target is __import__("operator").getitem:
+        return 0, 0
+    if node.target in VIEW_OPS and not reshape_copies(node):
         return 0, 0
     read = sum(nbytes(node_value(n)) for n in input_nodes(node))
     return read, nbytes(node_value(node))

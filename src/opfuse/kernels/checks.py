@@ -284,10 +284,9 @@ def check_attention_mask(
         raise ValueError(f"opfuse.{op}: mask must be {'a CPU tensor' if on_cpu else f'a tensor on {q.device}'}")
     if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
         raise ValueError(f"opfuse.{op}: mask dtype {mask.dtype} must be bool or floating point")
-    try:
-        ok = mask.dim() <= 4 and torch.broadcast_shapes(tuple(mask.shape), scores) == scores
-    except RuntimeError:
-        ok = False
+    shape = mask.shape  # broadcastable to scores: each trailing dim 1 or equal (no
+    # torch.broadcast_shapes: ~15 µs a call, a third of a decode step's attention)
+    ok = len(shape) <= 4 and all(a in (1, b) for a, b in zip(reversed(shape), reversed(scores)))
     if not ok:
         raise ValueError(f"opfuse.{op}: mask shape {tuple(mask.shape)} not broadcastable to {scores}")
     if is_causal:

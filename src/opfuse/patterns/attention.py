@@ -161,8 +161,10 @@ def check(match) -> str | None:
         mv = val(mask)
         if mv.dtype not in (torch.bool, val(match.inputs['q']).dtype, torch.float32):
             return f"mask {mask.name} dtype {mv.dtype} is neither bool nor the query dtype"
-        if not match.pattern.retarget and "fill" not in match.literals and not mv.dtype.is_floating_point:
+        if not match.pattern.variant.startswith("sdpa") and "fill" not in match.literals \
+                and not mv.dtype.is_floating_point:
             # eager spellings ADD the mask: a bool mask adds 0/1, the kernel would drop positions
+            # (an SDPA source, grouped-query rows included, reads a bool mask as keep/drop, as the kernel)
             return f"mask {mask.name} is {mv.dtype} but added to the scores (+0/+1), not a keep/drop mask"
         # eager softmax of a fully masked (-inf) row is NaN; the SDPA kernel returns 0 there.
         # Masks built by where(cond, 0, finite fill) (HF's finfo.min masks) never hold -inf.

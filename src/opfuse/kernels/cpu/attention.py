@@ -48,4 +48,4 @@ def attention(
 
     maskf = None if mask is None else (mask.detach() if mask.dtype == torch.bool else as_f32(mask))
     out = _attention_kernel(as_f32(q), as_f32(k), as_f32(v), maskf, float(scale), bool(is_causal))  # [B, H, Sq, Dv]
-    return out.to(q.dtype)
+    return out if q.dtype is torch.float32 else out.to(q.dtype)
