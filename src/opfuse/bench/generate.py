@@ -18,6 +18,7 @@ environment (optimum is not installed): they are listed as failed peers with tha
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -93,10 +94,15 @@ def _peers(model, ids, mask, against, log) -> dict:
     peers["opfuse"] += (fused,)
     if "static-compile" in against:
         log("building HF StaticCache + torch.compile (inductor)")
-        compiled = torch.compile(type(model).forward.__get__(model), dynamic=False)
+        from opfuse.generate import _own_code  # its own dynamo cache: HF forwards share one decorator's code
+        compiled = torch.compile(_own_code(type(model).forward.__get__(model)), dynamic=False)
+
+        @functools.wraps(type(model).forward.__get__(model))  # HF reads the forward's signature
+        def routed(*args, **kwargs):
+            return compiled(*args, **kwargs)
 
         def static_compile(n):
-            model.forward = compiled
+            model.forward = routed
             try:
                 with torch.no_grad():
                     return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
