@@ -16,6 +16,7 @@ import torch
 from torch import fx
 
 from .graph.state import foldable, note_derived
+from .patterns.common import vector_inputs
 from .kernels import ops as _ops  # noqa: F401  (registers torch.ops.opfuse.*)
 
 aten = torch.ops.aten
@@ -53,7 +54,7 @@ def rewrite_region(gm: fx.GraphModule, match, replaced: dict) -> list[fx.Node]:
     params = dict(match.params, emit=bool(match.emitted))
     existing = set(graph.nodes)
     with graph.inserting_before(point.next):
-        news = match.pattern.build(graph, inputs, match.literals, params)
+        news = match.pattern.build(graph, vector_inputs(graph, inputs, match.params), match.literals, params)
     for node in graph.nodes:
         if node not in existing:
             node.meta["opfuse_pattern"] = match.pattern.name

@@ -93,6 +93,8 @@ def fused_region_module(match, env: dict, fold: bool = False) -> tuple[fx.GraphM
             feeds.append(env[node])
         else:
             inputs[name] = node
+    from .patterns.common import vector_inputs
+    inputs = vector_inputs(graph, inputs, match.params)
     outs = match.pattern.build(graph, inputs, match.literals, dict(match.params, emit=bool(match.emitted)))
     graph.output(tuple(outs))
     module = fx.GraphModule(root, graph)

@@ -41,9 +41,32 @@ def check_vector(match, name: str, n: int, optional: bool = True) -> str | None:
     if node is None:
         return None if optional else f"input '{name}' is missing (None); the kernel needs it"
     s = shape(node)
-    if s != (n,):
-        return f"'{name}' ({node.name}) has shape {list(s or [])}, kernel supports only [{n}] (no broadcast)"
-    return None
+    if s == (n,):
+        return None
+    x = shape(match.inputs.get("x"))
+    if s and s[-1] == n and all(d == 1 for d in s[:-1]) and x is not None and len(s) <= len(x):
+        # per-feature, broadcast-shaped ((1, 1, N) LayerNorm weights): the same values as an
+        # [N] vector, and no wider result than x's rank; the rewrite passes it reshaped
+        match.params.setdefault("as_vector", {})[name] = n
+        return None
+    return (f"'{name}' ({node.name}) has shape {list(s or [])}, kernel supports only [{n}] (or [1, …, 1, {n}] "
+            f"of at most x's rank {len(x) if x else '?'})")
+
+
+def vector_inputs(graph: fx.Graph, inputs: dict, params: dict) -> dict:
+    """``inputs`` with every broadcast-shaped per-feature vector that :func:`check_vector`
+    accepted (``params["as_vector"]``) reshaped to [N] by one ``aten.reshape`` node."""
+    wanted = params.get("as_vector") or {}
+    if not wanted:
+        return inputs
+    out = dict(inputs)
+    for name, n in wanted.items():
+        if isinstance(out.get(name), fx.Node):
+            src = out[name]
+            out[name] = graph.call_function(torch.ops.aten.reshape.default, (src, [n]))
+            if val(src) is not None:  # shapes for the matcher and checks of later passes
+                out[name].meta["val"] = val(src).reshape(n)
+    return out
 
 
 def check_linear(match, x: str, w: str, b: str | None) -> str | None:
