@@ -190,8 +190,10 @@ def check(match) -> str | None:
         match.params["fill"] = float(fill)
         match.params["dead_rows_nan"] = math.isinf(fill)
     match.params["is_causal"] = bool(match.literals.get("is_causal", False))
-    if match.literals.get("enable_gqa", False) is False and q[1] != k[1] and match.pattern.variant.startswith("sdpa") \
-            and not match.pattern.variant.endswith("_gqa"):
+    if match.literals.get("enable_gqa", False) is False and q[1] != k[1] and k[1] != 1 \
+            and match.pattern.variant.startswith("sdpa") and not match.pattern.variant.endswith("_gqa"):
+        # one K/V head broadcasts over the query heads (multi-query attention: Falcon), which is
+        # grouped-query attention with one group; other counts make SDPA itself raise
         return f"SDPA with {q[1]} query heads and {k[1]} key heads but enable_gqa=False"
     return check_float(match, "q", "k", "v")
 

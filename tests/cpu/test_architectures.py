@@ -1,0 +1,60 @@
+"""Architectures of issue #14: Falcon (multi-query attention through SDPA's broadcasting of
+one K/V head, the in-place ``/=`` scale of its eager attention), each vs the eager model,
+with fused counts; and a must-not: an SDPA call whose K/V heads neither equal nor broadcast
+to the query heads is never taken (SDPA itself raises on it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import opfuse
+
+
+def _falcon(attn: str):
+    import transformers as T
+    torch.manual_seed(0)
+    cfg = T.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=500,
+                         new_decoder_architecture=False, multi_query=True, use_cache=False, attn_implementation=attn)
+    return T.FalconModel(cfg).eval()
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_falcon_multi_query_attention_fuses(attn):
+    model = _falcon(attn)
+    ids = torch.randint(0, 500, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    fused = opfuse.optimize(model, (ids,), example_kwargs={"attention_mask": mask})
+    counts = fused.report.counts()
+    assert counts.get("attention") == 2, counts  # 4 query heads, 1 K/V head
+    assert counts.get("rope") == 2, counts
+    with torch.no_grad():
+        got = fused(ids, attention_mask=mask).last_hidden_state
+        want = model(ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_sdpa_with_non_broadcasting_kv_heads_is_refused():
+    from opfuse.patterns.attention import check
+
+    class _Match:  # the legality check on shapes alone: q 4 heads, k/v 2 heads, enable_gqa=False
+        def __init__(self, hkv):
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            with FakeTensorMode():
+                vals = {"q": torch.empty(1, 4, 8, 16), "k": torch.empty(1, hkv, 8, 16),
+                        "v": torch.empty(1, hkv, 8, 16)}
+            g = torch.fx.Graph()
+            self.inputs = {}
+            for name, v in vals.items():
+                node = g.placeholder(name)
+                node.meta["val"] = v
+                self.inputs[name] = node
+            self.literals = {"enable_gqa": False, "scale": 0.25}
+            self.params = {}
+            self.pattern = next(p for p in __import__("opfuse.patterns.attention", fromlist=["PATTERNS"]).PATTERNS
+                                if p.variant == "sdpa")
+            self.region = []
+
+    assert "enable_gqa=False" in (check(_Match(2)) or "")
+    assert check(_Match(1)) is None  # one K/V head broadcasts: multi-query attention
