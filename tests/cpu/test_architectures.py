@@ -58,3 +58,47 @@ def test_sdpa_with_non_broadcasting_kv_heads_is_refused():
 
     assert "enable_gqa=False" in (check(_Match(2)) or "")
     assert check(_Match(1)) is None  # one K/V head broadcasts: multi-query attention
+
+
+class _PackedMLP(torch.nn.Module):
+    """gate_up_proj [2H, K] + chunk(2, -1); ``act`` on the half ``act_on`` (0: gate, Phi-3)."""
+
+    def __init__(self, act, act_on: int = 0):
+        super().__init__()
+        self.gate_up = torch.nn.Linear(16, 64, bias=False)
+        self.act, self.act_on = act, act_on
+
+    def forward(self, x):
+        halves = self.gate_up(x).chunk(2, dim=-1)
+        return halves[1 - self.act_on] * self.act(halves[self.act_on])
+
+
+def test_phi3_packed_gate_up_swiglu_fuses():
+    import transformers as T
+    torch.manual_seed(0)
+    cfg = T.Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=500, use_cache=False, pad_token_id=0, eos_token_id=2,
+                       bos_token_id=1)
+    model = T.Phi3Model(cfg).eval()
+    ids = torch.randint(0, 500, (2, 12))
+    fused = opfuse.optimize(model, (ids,))
+    swiglu = [r for r in fused.report.fused if r.pattern == "swiglu"]
+    assert [r.variant for r in swiglu] == ["packed_chunk"] * 2, fused.report.counts()
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).last_hidden_state, model(ids).last_hidden_state, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("act, act_on, fuses", [(torch.nn.functional.silu, 0, True),
+                                                (torch.nn.functional.silu, 1, False),   # SiLU on the up half
+                                                (torch.nn.functional.gelu, 0, False)])  # GeGLU is not SwiGLU
+def test_packed_gate_up_only_as_swiglu(act, act_on, fuses):
+    model = _PackedMLP(act, act_on).eval()
+    x = torch.randn(2, 5, 16)
+    fused = opfuse.optimize(model, (x,))
+    assert ("swiglu" in fused.report.counts()) == fuses, fused.report.counts()
+    with torch.no_grad():
+        out, want = fused(x), model(x)
+    torch.testing.assert_close(out, want)
+    x64 = x.double()
+    halves = torch.nn.functional.linear(x64, model.gate_up.weight.double()).chunk(2, -1)
+    torch.testing.assert_close(out.double(), halves[1 - act_on] * act(halves[act_on]), rtol=1e-5, atol=1e-5)

@@ -77,6 +77,29 @@ def build_swiglu(graph, inputs, literals, params):
     return [graph.call_function(torch.ops.opfuse.swiglu.default, (inputs["x"], w, int(params["hidden"])))]
 
 
+def swiglu_packed(x, w):
+    """Phi-3's MLP: one packed ``gate_up_proj`` [2H, K], ``chunk(2, -1)``, ``up * silu(gate)``
+    — already the kernel's [W_gate; W_up] layout, so nothing is concatenated."""
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    return up * F.silu(gate)
+
+
+def _example_swiglu_packed():
+    return torch.randn(2, 4, 8), torch.randn(32, 8)
+
+
+def check_swiglu_packed(match) -> str | None:
+    w = shape(match.inputs["w"])
+    if w is None or len(w) != 2 or w[0] % 2:
+        return f"packed gate/up weight {match.inputs['w'].name} has shape {list(w or [])}, not [2H, K]"
+    match.params["hidden"] = w[0] // 2
+    return first_problem(check_linear(match, "x", "w", None), check_float(match, "x"))
+
+
+def build_swiglu_packed(graph, inputs, literals, params):
+    return [graph.call_function(torch.ops.opfuse.swiglu.default, (inputs["x"], inputs["w"], int(params["hidden"])))]
+
+
 def _example_linear():
     return torch.randn(2, 4, 8), torch.randn(16, 8), torch.randn(16)
 
@@ -165,4 +188,6 @@ PATTERNS = [
     Pattern("ffn", "erf", ffn_erf, _example_ffn, _build_ffn("none"), check_ffn, fused_cost=ffn_fused_cost),
     Pattern("ffn", "tanh", ffn_tanh, _example_ffn, _build_ffn("tanh"), check_ffn, fused_cost=ffn_fused_cost),
     Pattern("swiglu", "gate_up", swiglu, _example_swiglu, build_swiglu, check_swiglu),
+    Pattern("swiglu", "packed_chunk", swiglu_packed, _example_swiglu_packed, build_swiglu_packed,
+            check_swiglu_packed),
 ]
