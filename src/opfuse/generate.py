@@ -188,7 +188,9 @@ class Generation:
         limit = _position_limit(_text_config(model)) or total
         length = min(limit, math.ceil(total / CACHE_BUCKET) * CACHE_BUCKET)
         rows = input_ids.shape[0] * (kwargs.get("num_return_sequences") or getattr(gc, "num_return_sequences", 1) or 1)
-        user_cache = kwargs.pop("cache", None) or kwargs.pop("past_key_values", None)
+        user_cache = kwargs.pop("cache", None)
+        if user_cache is None:  # (not `or`: an empty DynamicCache has no layers and is falsy)
+            user_cache = kwargs.pop("past_key_values", None)
         if user_cache is not None:
             from transformers.cache_utils import StaticCache
             if not isinstance(user_cache, StaticCache):

@@ -146,6 +146,8 @@ def test_clear_errors():
         fused.generate(ids, max_new_tokens=4, num_beams=2)
     with pytest.raises(GenerateError, match="StaticCache"):
         fused.generate(ids, max_new_tokens=4, cache=T.DynamicCache(config=model.config))
+    with pytest.raises(GenerateError, match="got DynamicCache"):  # an empty one (no layers yet) too
+        fused.generate(ids, max_new_tokens=4, past_key_values=T.DynamicCache())
     small = T.StaticCache(config=model.config, max_cache_len=12)
     with pytest.raises(GenerateError, match="holds 12 tokens"):
         fused.generate(ids, max_new_tokens=8, cache=small)
