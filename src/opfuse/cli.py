@@ -164,6 +164,10 @@ def _bench_generate(ns, console: Console) -> int:
         result = bench_generate(ns.model, batch=ns.batch or 1, prompt=ns.prompt, new=ns.new, threads=ns.threads,
                                 against=against, repeat=max(1, min(ns.repeat, 5)), log=lambda s: status.update(s))
     console.print(generate_table(result))
+    opfuse_row = next((r for r in result["peers"] if r["peer"] == "opfuse" and r.get("plans")), None)
+    if opfuse_row:
+        from opfuse.report.text import generation_table
+        console.print(generation_table(opfuse_row["plans"]))
     console.print("[dim]shared, noisy machine: medians of interleaved runs; compare ratios, not absolute ms[/]")
     if ns.json:
         write_json(result, ns.json)

@@ -264,3 +264,16 @@ def test_pipeline_plans_run_the_bound_forward():
         for piece in compiled.plans.values():
             for p in piece._plans.values():
                 assert "forward" in p.gm.__dict__, phase  # bound: the decode step skips OpOverload.__call__
+
+
+def test_generation_table_shows_both_plans():
+    from rich.console import Console
+
+    from opfuse.report.text import generation_table
+    model, fused = _fused("llama")
+    ids, mask = _prompt()
+    fused.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    console = Console(record=True, width=200)
+    console.print(generation_table(fused.generation.plans(), fused.generation.summary()))
+    text = console.export_text()
+    assert "prefill" in text and "decode" in text and "attention 2" in text and "decode step" in text

@@ -163,7 +163,7 @@ def bench_generate(name: str, batch: int = 1, prompt: int = 128, new: int = 128,
                "vs_floor": step / floor_step_s if step > 0 else None, "same_tokens_as_eager": same[k]}
         if extra:
             fused = extra[0]
-            row["plans"] = [{kk: p[kk] for kk in ("phase", "fused", "ops", "fallbacks")}
+            row["plans"] = [{kk: p[kk] for kk in ("phase", "fused", "ops", "calls", "fallbacks")}
                             for p in fused.generation.plans()]
         rows.append(row)
     eager_step = next(r["decode_step_ms"] for r in rows if r["peer"] == "eager")

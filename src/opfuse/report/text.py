@@ -141,3 +141,22 @@ def render_text(report, width: int = 160) -> str:
     console = Console(width=width, record=True, color_system=None, file=io.StringIO())
     console.print(render(report, limit=None, block_only=False))
     return console.export_text()
+
+
+def generation_table(plans: list[dict], summary: dict | None = None) -> Table:
+    """The prefill and decode plans of ``fused.generation`` (:meth:`Generation.plans`):
+    phase, input signature, fused regions per pattern, ops dispatched per call, calls and
+    fallbacks; the caption gives the latest call's prefill seconds and decode step (ms)."""
+    table = Table(title="Generation plans (prefill and decode step)")
+    for col in ("phase", "fused per pattern", "ops per call", "calls (fused / unfused)", "fallbacks"):
+        table.add_column(col, overflow="fold", max_width=60 if col == "fallbacks" else None)
+    for p in plans:
+        fused = ", ".join(f"{k} {v}" for k, v in sorted(p["fused"].items())) or "none"
+        table.add_row(p["phase"], fused, str(p["ops"] if p["ops"] is not None else "–"),
+                      f"{p['calls'].get('fused', 0)} / {p['calls'].get('fallback', 0)}",
+                      "; ".join(p["fallbacks"]) or "–")
+    if summary and summary.get("decode_step_s"):
+        table.caption = (f"last call: prefill {summary['prefill_s'] * 1e3:.1f} ms, decode step "
+                         f"{summary['decode_step_s'] * 1e3:.2f} ms ({summary['decode_tokens_per_s']:.1f} tok/s), "
+                         f"cache {summary['cache_tokens']} tokens")
+    return table
