@@ -102,3 +102,48 @@ def test_packed_gate_up_only_as_swiglu(act, act_on, fuses):
     x64 = x.double()
     halves = torch.nn.functional.linear(x64, model.gate_up.weight.double()).chunk(2, -1)
     torch.testing.assert_close(out.double(), halves[1 - act_on] * act(halves[act_on]), rtol=1e-5, atol=1e-5)
+
+
+def test_gptj_rope_in_bshd_layout_with_partial_rotary_fuses():
+    """GPT-J rotates every two of the first ``rotary_dim`` features of q and k laid out
+    [B, S, H, D], with tables [1, S, 1, D] (it was refused with the head count called S)."""
+    import transformers as T
+    torch.manual_seed(0)
+    cfg = T.GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=500, n_positions=128,
+                       use_cache=False, bos_token_id=1, eos_token_id=2)
+    model = T.GPTJModel(cfg).eval()
+    ids = torch.randint(0, 500, (2, 12))
+    fused = opfuse.optimize(model, (ids,))
+    rope = [r for r in fused.report.fused if r.pattern == "rope"]
+    assert len(rope) == 4 and {r.variant for r in rope} == {"interleaved"}, fused.report.counts()
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).last_hidden_state, model(ids).last_hidden_state, rtol=1e-4, atol=1e-4)
+
+
+class _Rope(torch.nn.Module):
+    """rotate-half RoPE of x with given cos / sin tables (shapes chosen by the test)."""
+
+    def forward(self, x, cos, sin):
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rot * sin
+
+
+@pytest.mark.parametrize("x_shape, table_shape, fuses", [
+    ((2, 6, 3, 8), (1, 6, 1, 8), True),    # [B, S, H, D] with [1, S, 1, D] tables
+    ((2, 3, 6, 8), (1, 1, 6, 8), True),    # [B, H, S, D] with [1, 1, S, D] tables
+    ((2, 3, 6, 8), (1, 3, 6, 8), False),   # a table per head: neither layout
+])
+def test_rope_layouts(x_shape, table_shape, fuses):
+    x = torch.randn(x_shape)
+    cos, sin = torch.randn(table_shape), torch.randn(table_shape)
+    fused = opfuse.optimize(_Rope().eval(), (x, cos, sin))
+    assert ("rope" in fused.report.counts()) == fuses, [r.reason for r in fused.report.regions]
+    if not fuses:
+        (region,) = [r for r in fused.report.regions if r.pattern == "rope"]
+        assert "x as [B, H, S, D] (S = 6)" in region.reason and "x as [B, S, H, D] (S = 3)" in region.reason
+    with torch.no_grad():
+        out = fused(x, cos, sin)
+    x64, c64, s64 = x.double(), cos.double(), sin.double()
+    want = x64 * c64 + torch.cat((-x64[..., 4:], x64[..., :4]), -1) * s64
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)

@@ -85,11 +85,21 @@ def _check_one(match, layout: str, x: str) -> str | None:
     want = [(0, d // 2, 1), (d // 2, d, 1)] if layout == "rotate_half" else [(0, d, 2), (1, d, 2)]
     if spans != want:
         return f"slices {spans} are not the {layout} split {want} of head dim {d}"
+    layouts = set()
     for name in ("cos", "sin"):
         sc = shape(match.inputs[name])
-        target = (sx[0], 1, sx[2], d)
-        if sc is None or len(sc) != 4 or sc[1] != 1 or sc[3] != d or sc[2] != sx[2] or sc[0] not in (1, sx[0]):
-            return f"{name} {match.inputs[name].name} has shape {sc}, kernel expects [B or 1, 1, S, D] = {target}"
+        ok = sc is not None and len(sc) == 4 and sc[3] == d and sc[0] in (1, sx[0])
+        if ok and sc[1] == 1 and sc[2] == sx[2]:
+            layouts.add("bhsd")  # x [B, H, S, D], tables [B|1, 1, S, D] (HF Llama / NeoX)
+        elif ok and sc[2] == 1 and sc[1] == sx[1]:
+            layouts.add("bshd")  # x [B, S, H, D], tables [B|1, S, 1, D] (GPT-J, Falcon-style)
+        else:
+            return (f"{name} {match.inputs[name].name} has shape {list(sc or [])}; for x {list(sx)} the kernel takes "
+                    f"[B or 1, 1, S, D] with x as [B, H, S, D] (S = {sx[2]}) or [B or 1, S, 1, D] with x as "
+                    f"[B, S, H, D] (S = {sx[1]})")
+    if len(layouts) > 1:
+        return f"cos and sin tables are laid out differently ({sorted(layouts)})"
+    match.params.setdefault("layouts", {})[x] = layouts.pop()
     return check_float(match, x, "cos", "sin")
 
 
@@ -105,23 +115,41 @@ def _check_qk(layout: str):
         if problem:
             return problem
         sq, sk = shape(match.inputs["q"]), shape(match.inputs["k"])
-        if (sq[0], sq[2]) != (sk[0], sk[2]):
+        if match.params["layouts"]["q"] != match.params["layouts"]["k"]:
+            return "q and k are laid out differently ([B, H, S, D] vs [B, S, H, D])"
+        seq = 1 if match.params["layouts"]["q"] == "bshd" else 2
+        if (sq[0], sq[seq]) != (sk[0], sk[seq]):
             return f"q {list(sq)} and k {list(sk)} differ in batch or sequence length"
         return None
     return check
 
 
+def _heads_first(graph, inputs, params, names):
+    """Inputs as the kernel takes them: a [B, S, H, D] layout (and its [B, S, 1, D] tables)
+    as transposed views [B, H, S, D] (the kernel reads any strides); the flag says whether
+    the outputs must be transposed back."""
+    bshd = params.get("layouts", {}).get(names[0]) == "bshd"
+    if not bshd:
+        return [inputs[n] for n in names], False
+    return [graph.call_function(aten.transpose.int, (inputs[n], 1, 2)) for n in names], True
+
+
+def _back(graph, node, bshd: bool):
+    return graph.call_function(aten.transpose.int, (node, 1, 2)) if bshd else node
+
+
 def _build(layout: str):
     def build(graph, inputs, literals, params):
-        return [graph.call_function(torch.ops.opfuse.rope.default, (inputs["x"], inputs["cos"], inputs["sin"], layout))]
+        (x, cos, sin), bshd = _heads_first(graph, inputs, params, ("x", "cos", "sin"))
+        return [_back(graph, graph.call_function(torch.ops.opfuse.rope.default, (x, cos, sin, layout)), bshd)]
     return build
 
 
 def _build_qk(layout: str):
     def build(graph, inputs, literals, params):
-        both = graph.call_function(torch.ops.opfuse.rope_qk.default,
-                                   (inputs["q"], inputs["k"], inputs["cos"], inputs["sin"], layout))
-        return [graph.call_function(operator.getitem, (both, 0)), graph.call_function(operator.getitem, (both, 1))]
+        (q, k, cos, sin), bshd = _heads_first(graph, inputs, params, ("q", "k", "cos", "sin"))
+        both = graph.call_function(torch.ops.opfuse.rope_qk.default, (q, k, cos, sin, layout))
+        return [_back(graph, graph.call_function(operator.getitem, (both, i)), bshd) for i in (0, 1)]
     return build
 
 
