@@ -203,6 +203,9 @@ def _cases() -> dict:
                     cos, sin = rope_tables(b, s, d, layout, dt, offset=3)
                     errs.append(close(K("rope")(q, cos, sin, layout), reference.rope(q, cos, sin, layout), dt))
                     errs.append(close(K("rope")(k, cos[:1], sin, layout), reference.rope(k, cos[:1], sin, layout), dt))
+                    # GPT-J's [B, S, 1, D] tables as the pattern passes them: transposed views [B, 1, S, D]
+                    ct, st = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (cos, sin))
+                    errs.append(close(K("rope")(q, ct, st, layout), reference.rope(q, cos, sin, layout), dt))
                     oq, ok = K("rope_qk")(q, k, cos[:1, 0], sin, layout)  # [S, D] table broadcast over B
                     eq, ek = reference.rope_qk(q, k, cos[:1, 0], sin, layout)
                     errs += [close(oq, eq, dt), close(ok, ek, dt)]
