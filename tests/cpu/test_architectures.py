@@ -147,3 +147,23 @@ def test_rope_layouts(x_shape, table_shape, fuses):
     x64, c64, s64 = x.double(), cos.double(), sin.double()
     want = x64 * c64 + torch.cat((-x64[..., 4:], x64[..., :4]), -1) * s64
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_t5_relative_position_bias_attention_fuses():
+    """T5 adds its relative position bias (the padding mask folded in) to unscaled scores,
+    in place (``scores += position_bias``): functionalised at capture, the eager spelling
+    with an additive float mask fuses (it was a near miss "expected mul but found add")."""
+    import transformers as T
+    torch.manual_seed(0)
+    cfg = T.T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=500,
+                     feed_forward_proj="gated-gelu")
+    model = T.T5EncoderModel(cfg).eval()
+    ids = torch.randint(0, 500, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    fused = opfuse.optimize(model, (ids,), example_kwargs={"attention_mask": mask})
+    assert fused.report.counts().get("attention") == 2, fused.report.counts()
+    with torch.no_grad():
+        got = fused(ids, attention_mask=mask).last_hidden_state
+        want = model(ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
