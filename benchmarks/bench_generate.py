@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from opfuse.bench.generate import GENERATE_MODELS, bench_generate, generate_table
+from opfuse.bench.generate import GENERATE_MODELS, bench_generate, csv_rows, generate_table
 from opfuse.bench.results import write_csv, write_json
 
 OUT = Path(__file__).parent / "results"
@@ -41,7 +41,7 @@ def main() -> int:
                 console.print(generate_table(result))
                 path = OUT / f"cpu_generate_{name}_b{batch}_p{ns.prompt}_n{ns.new}_t{threads}.json"
                 write_json(result, path)
-                write_csv([{k: v for k, v in r.items() if k != "plans"} for r in result["peers"]],
+                write_csv(csv_rows(result),
                           str(path).removesuffix(".json") + ".csv")
     return 0
 

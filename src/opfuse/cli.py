@@ -157,7 +157,7 @@ def cmd_bench(ns, console: Console) -> int:
 def _bench_generate(ns, console: Console) -> int:
     """``opfuse bench MODEL --generate``: prefill / decode tokens/s vs HF eager and HF
     StaticCache + torch.compile (``inductor`` in ``--against``), with the weight-bandwidth floor."""
-    from opfuse.bench.generate import bench_generate, generate_table
+    from opfuse.bench.generate import bench_generate, csv_rows, generate_table
     from opfuse.bench.results import write_csv, write_json
     against = [{"inductor": "static-compile"}.get(a.strip(), a.strip()) for a in ns.against.split(",")]
     with console.status("benchmarking generate") as status:
@@ -171,7 +171,7 @@ def _bench_generate(ns, console: Console) -> int:
     console.print("[dim]shared, noisy machine: medians of interleaved runs; compare ratios, not absolute ms[/]")
     if ns.json:
         write_json(result, ns.json)
-        write_csv([{k: v for k, v in r.items() if k != "plans"} for r in result["peers"]],
+        write_csv(csv_rows(result),
                   str(ns.json).removesuffix(".json") + ".csv")
         console.print(f"wrote {ns.json} (+ .csv)")
     return 0

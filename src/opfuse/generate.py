@@ -28,6 +28,7 @@ the same model object from another thread would also run fused).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import statistics
@@ -103,6 +104,27 @@ def _own_code(forward):
         return forward(*args, **kwargs)
     step.__code__ = step.__code__.replace()
     return step
+
+
+@contextlib.contextmanager
+def routed_forward(model: torch.nn.Module, fn):
+    """For the ``with`` block, ``model(...)`` calls ``fn`` (an instance attribute shadowing
+    the class's forward), with the original forward's signature: HF's ``generate`` reads it
+    to choose the inputs it prepares (position ids, ``logits_to_keep``; a generic signature
+    made GPT-2 generate other tokens for a left-padded row). What was there is restored."""
+    had, previous = "forward" in model.__dict__, model.__dict__.get("forward")
+
+    @functools.wraps(type(model).forward.__get__(model))
+    def routed(*args, **kwargs):
+        return fn(*args, **kwargs)
+    model.forward = routed
+    try:
+        yield
+    finally:
+        if had:
+            model.forward = previous
+        else:
+            del model.forward
 
 
 class Generation:
@@ -205,21 +227,9 @@ class Generation:
             cache = self.cache_for(rows, length, dtype, input_ids.device)
         self.last = {"prefill_s": None, "decode_s": [], "cache_tokens": cache.get_max_length(), "rows": rows}
         self._phase = "prefill"
-        had_forward = "forward" in model.__dict__
-        previous = model.__dict__.get("forward")
-        # HF reads the forward's signature (which inputs to prepare: position_ids, logits_to_keep...)
-        @functools.wraps(type(model).forward.__get__(model))
-        def routed(*args, **kw):
-            return self._forward(*args, **kw)
-        model.forward = routed
-        try:
-            with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
-                out = model.generate(input_ids, cache=cache, **kwargs)
-        finally:
-            if had_forward:
-                model.forward = previous
-            else:
-                del model.forward
+        with routed_forward(model, self._forward), \
+                torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
+            out = model.generate(input_ids, cache=cache, **kwargs)
         self.last["new_tokens"] = len(self.last["decode_s"]) + 1
         missing = [p for p in ("prefill", "decode") if p not in {phase for phase, _ in self.graphs}]
         if missing and (self.last["decode_s"] or "prefill" in missing):

@@ -18,7 +18,6 @@ environment (optimum is not installed): they are listed as failed peers with tha
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 
@@ -26,6 +25,7 @@ import torch
 
 from . import machine
 from .models import set_threads
+from .peers import Peer
 
 #: Decoder configs of the generation benchmark (HF defaults otherwise: use_cache=True).
 GENERATE_MODELS = {
@@ -74,14 +74,14 @@ def gemv_bandwidth(model: torch.nn.Module, repeat: int = 10) -> float:
     return w.numel() * w.element_size() / min(times)
 
 
-def _peers(model, ids, mask, against, log) -> dict:
-    """name -> (generate(n) callable, cold seconds, error)."""
-    peers: dict = {}
-
-    def eager(n):
+def _peers(model, ids, mask, against, log) -> list[Peer]:
+    """Every system as a :class:`~opfuse.bench.peers.Peer` whose ``fn(n)`` generates ``n``
+    tokens (``detail["module"]``: opfuse's FusedModule)."""
+    def hf(n, **extra):
         with torch.no_grad():
-            return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    peers["eager"] = (eager, 0.0, None)
+            return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                  **extra)
+    peers = [Peer("eager", hf, cold_s=0.0)]
     log("building opfuse (optimize + first generate: prefill and decode plans)")
     import opfuse
     start = time.perf_counter()
@@ -90,35 +90,24 @@ def _peers(model, ids, mask, against, log) -> dict:
     def fused_generate(n):
         return fused.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
     fused_generate(2)
-    peers["opfuse"] = (fused_generate, time.perf_counter() - start, None)
-    peers["opfuse"] += (fused,)
+    peers.append(Peer("opfuse", fused_generate, cold_s=time.perf_counter() - start, detail={"module": fused}))
     if "static-compile" in against:
         log("building HF StaticCache + torch.compile (inductor)")
-        from opfuse.generate import _own_code  # its own dynamo cache: HF forwards share one decorator's code
+        from opfuse.generate import _own_code, routed_forward  # own dynamo cache; HF reads the signature
         compiled = torch.compile(_own_code(type(model).forward.__get__(model)), dynamic=False)
 
-        @functools.wraps(type(model).forward.__get__(model))  # HF reads the forward's signature
-        def routed(*args, **kwargs):
-            return compiled(*args, **kwargs)
-
         def static_compile(n):
-            model.forward = routed
-            try:
-                with torch.no_grad():
-                    return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                          do_sample=False, cache_implementation="static")
-            finally:
-                del model.forward
+            with routed_forward(model, compiled):
+                return hf(n, cache_implementation="static")
         start = time.perf_counter()
         try:
             static_compile(2)
-            peers["static-compile"] = (static_compile, time.perf_counter() - start, None)
+            peers.append(Peer("static-compile", static_compile, cold_s=time.perf_counter() - start))
         except Exception as exc:  # noqa: BLE001  a peer that fails is a result
-            peers["static-compile"] = (None, None, f"{type(exc).__name__}: {str(exc)[:200]}")
-    for name in ("ort", "openvino"):
-        if name in against:
-            peers[name] = (None, None, "no offline generate() path here (needs optimum-onnxruntime / optimum-intel, "
-                                       "not installed): a decoder with a KV cache is not one exported graph")
+            peers.append(Peer("static-compile", error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+    peers += [Peer(name, error="no offline generate() path here (needs optimum-onnxruntime / optimum-intel, not "
+                               "installed): a decoder with a KV cache is not one exported graph")
+              for name in ("ort", "openvino") if name in against]
     return peers
 
 
@@ -136,34 +125,34 @@ def bench_generate(name: str, batch: int = 1, prompt: int = 128, new: int = 128,
         ids[::2, : prompt // 8] = pad
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or 0
     peers = _peers(model, ids, mask, set(against), log)
-    ok = {k: v for k, v in peers.items() if v[0] is not None}
-    ref = ok["eager"][0](new)
-    same = {k: bool(torch.equal(v[0](new), ref)) for k, v in ok.items()}
-    log(f"timing {', '.join(ok)} ({repeat} interleaved rounds of {new} and of 1 new token)")
-    samples = {k: {"n": [], "one": []} for k in ok}
+    ok = [p for p in peers if p.fn is not None]
+    ref = ok[0].fn(new)  # eager
+    same = {p.name: bool(torch.equal(p.fn(new), ref)) for p in ok}
+    log(f"timing {', '.join(p.name for p in ok)} ({repeat} interleaved rounds of {new} and of 1 new token)")
+    samples = {p.name: {"n": [], "one": []} for p in ok}
     for _ in range(repeat):
-        for k, v in ok.items():
+        for p in ok:
             for label, n in (("n", new), ("one", 1)):
                 start = time.perf_counter()
-                v[0](n)
-                samples[k][label].append(time.perf_counter() - start)
+                p.fn(n)
+                samples[p.name][label].append(time.perf_counter() - start)
     bw = gemv_bandwidth(model)
     weight_bytes = decode_weight_bytes(model)
     floor_step_s = weight_bytes / bw
     rows = []
-    for k, (fn, cold, err, *extra) in peers.items():
-        if fn is None:
-            rows.append({"peer": k, "status": "failed", "error": err})
+    for peer in peers:
+        if peer.fn is None:
+            rows.append({"peer": peer.name, "status": "failed", "error": peer.error})
             continue
-        t_n, t_1 = statistics.median(samples[k]["n"]), statistics.median(samples[k]["one"])
+        t_n, t_1 = statistics.median(samples[peer.name]["n"]), statistics.median(samples[peer.name]["one"])
         step = (t_n - t_1) / max(1, new - 1)
-        row = {"peer": k, "status": "ok", "cold_s": cold, "total_s": t_n, "prefill_s": t_1,
+        row = {"peer": peer.name, "status": "ok", "cold_s": peer.cold_s, "total_s": t_n, "prefill_s": t_1,
                "prefill_tok_s": batch * prompt / t_1, "decode_step_ms": 1e3 * step,
                "decode_tok_s": batch / step if step > 0 else None, "e2e_tok_s": batch * new / t_n,
-               "vs_floor": step / floor_step_s if step > 0 else None, "same_tokens_as_eager": same[k]}
-        if extra:
-            fused = extra[0]
-            row["plans"] = [{kk: p[kk] for kk in ("phase", "fused", "ops", "calls", "fallbacks")}
+               "vs_floor": step / floor_step_s if step > 0 else None, "same_tokens_as_eager": same[peer.name]}
+        fused = peer.detail.get("module")
+        if fused is not None:
+            row["plans"] = [{k: p[k] for k in ("phase", "fused", "ops", "calls", "fallbacks")}
                             for p in fused.generation.plans()]
         rows.append(row)
     eager_step = next(r["decode_step_ms"] for r in rows if r["peer"] == "eager")
@@ -175,6 +164,11 @@ def bench_generate(name: str, batch: int = 1, prompt: int = 128, new: int = 128,
             "floor": {"weight_bytes_per_step": weight_bytes, "gemv_bytes_per_s": bw,
                       "decode_step_ms": 1e3 * floor_step_s, "decode_tok_s": batch / floor_step_s},
             "peers": rows}
+
+
+def csv_rows(result: dict) -> list[dict]:
+    """One CSV row per peer of :func:`bench_generate`'s result (the per-plan lists left to the JSON)."""
+    return [{k: v for k, v in r.items() if k != "plans"} for r in result["peers"]]
 
 
 def generate_table(result: dict):
