@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 
 import torch
@@ -123,6 +124,7 @@ class FusedModule(torch.nn.Module):
         self._model = [model]  # list: do not register the original as a submodule
         self._options = options
         self._plans: OrderedDict = OrderedDict()
+        self._aliases: dict = {}  # exact input signature -> the dynamic plan serving it
         self._max_plans = max_plans
         self.report: FusionReport | None = None
         self.replans: list[str] = []  # why plans were dropped and rebuilt, in order
@@ -138,6 +140,7 @@ class FusedModule(torch.nn.Module):
         if self._plans:
             self.replans.append(reason)
         self._plans.clear()
+        self._aliases.clear()
 
     # -- guards: the model a plan was built from is still the model being called --------
     def _arm_guards(self) -> None:
@@ -163,31 +166,75 @@ class FusedModule(torch.nn.Module):
                 return f"inference-mode tensor {fqn} (folded into the plan) changed"
         return None
 
+    def _dynamic_plan(self, args: tuple, kwargs: dict, key: tuple):
+        """A dynamic plan whose key (sizes of its dynamic dims left out) and ranges hold this
+        call, remembered under the call's exact key (bounded); None when there is none. A call
+        of a dynamic plan's key outside its ranges re-plans statically with a warning
+        (:class:`~opfuse.graph.dynamic.DynamicShapeError` under ``strict``)."""
+        for plan in list(self._plans.values()):
+            spec = plan.dynamic
+            if spec is None or input_signature(args, kwargs, spec.wildcards) != plan.dynamic_key:
+                continue
+            outside = spec.out_of_range(args, kwargs)
+            if outside is None:
+                if len(self._aliases) >= 4 * self._max_plans:
+                    self._aliases.pop(next(iter(self._aliases)))
+                self._aliases[key] = plan
+                return plan
+            message = f"opfuse: {outside}: planning this shape statically (one re-plan)"
+            if self._options.get("strict"):
+                from .graph.dynamic import DynamicShapeError
+                raise DynamicShapeError(message.replace(": planning this shape statically (one re-plan)",
+                                                        " (strict=True: no re-plan)"))
+            warnings.warn(message, stacklevel=4)
+            self.replans.append(outside)
+            return self._add_plan(key, self._plan(args, kwargs, dynamic=None))
+        return None
+
+    def _add_plan(self, key: tuple, plan):
+        _share_folded(plan.gm, [p.gm for p in self._plans.values()])
+        self._plans[key] = plan
+        if len(self._plans) > self._max_plans:
+            self._plans.popitem(last=False)
+        if self.report is None:
+            self.report = plan.report
+        self._live = self._live | plan.writes
+        self._derived = self._derived | plan.derived
+        self._arm_guards()  # after planning: versions as planning left them
+        return plan
+
     def plan_for(self, args: tuple, kwargs: dict):
         if self._plans:
             reason = self._stale()
             if reason:
                 self.refresh(reason)
         key = input_signature(args, kwargs)
-        plan = self._plans.get(key)
+        plan = self._plans.get(key) or self._aliases.get(key)
+        if plan is None and self._plans:
+            plan = self._dynamic_plan(args, kwargs, key)
         if plan is None:
-            plan = self._plan(args, kwargs)
-            _share_folded(plan.gm, [p.gm for p in self._plans.values()])
-            self._plans[key] = plan
-            if len(self._plans) > self._max_plans:
-                self._plans.popitem(last=False)
-            if self.report is None:
-                self.report = plan.report
-            self._live = self._live | plan.writes
-            self._derived = self._derived | plan.derived
-            self._arm_guards()  # after planning: versions as planning left them
+            plan = self._plan(args, kwargs, dynamic=self._options.get("dynamic"))
+            if plan.dynamic is not None:
+                plan.dynamic_key = input_signature(args, kwargs, plan.dynamic.wildcards)
+            self._add_plan(key, plan)
         return plan
 
-    def _plan(self, args: tuple, kwargs: dict):
+    def _plan(self, args: tuple, kwargs: dict, dynamic=None):
         """The whole model captured and planned; where torch.export cannot capture it as a
         whole (and ``capture="auto"`` without ``strict``), dynamo's pieces, each planned
-        (:func:`opfuse.partial.plan_in_pieces`), with the reason in ``report.capture``."""
-        options = {k: v for k, v in self._options.items() if k != "capture"}
+        (:func:`opfuse.partial.plan_in_pieces`), with the reason in ``report.capture``. A
+        ``dynamic`` capture that torch.export refuses falls back to a static plan of these
+        shapes, with the reason in ``report.dynamic["refused"]`` (raised under ``strict``)."""
+        options = {k: v for k, v in self._options.items() if k not in ("capture", "dynamic")}
+        if dynamic is not None and dynamic is not False:
+            try:
+                return pipeline.run(self._model[0], args, kwargs, dynamic=dynamic, **options)
+            except CaptureError as exc:
+                if options.get("strict") or isinstance(exc, PythonStateError):
+                    raise
+                plan = self._plan(args, kwargs, dynamic=None)
+                plan.report.dynamic = {"refused": f"dynamic capture failed, static plan of these shapes: {exc}"}
+                return plan
         try:
             return pipeline.run(self._model[0], args, kwargs, **options)
         except CaptureError as exc:
@@ -231,7 +278,7 @@ class FusedModule(torch.nn.Module):
 def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, device=None,
              verify: bool = True, strict: bool = False, example_kwargs: dict | None = None,
              name: str | None = None, gemm: str | None = None, capture: str = "auto",
-             decide: str | None = None) -> FusedModule:
+             decide: str | None = None, dynamic: bool = False, dynamic_shapes=None) -> FusedModule:
     """Capture, match, cost, select, verify and rewrite ``model``.
 
     Args:
@@ -254,6 +301,14 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
             that fails, dynamo's pieces (graph breaks at what export cannot capture), each
             fused, the rest run eagerly, the reason in ``report.capture``; ``"whole"``:
             raise :class:`~opfuse.graph.capture.CaptureError` instead (also under ``strict``).
+        dynamic: one plan for every batch size and sequence length: dim 0 (batch) of every
+            input with ≥ 2 dims and dim 1 (sequence) of integer/bool and 3-D floating inputs
+            are symbolic, the sequence up to the config's ``max_position_embeddings``
+            (:mod:`opfuse.graph.dynamic`; decided at the example size, verified there, at the
+            range's minimum and at an odd size between). Calls inside the range never re-plan;
+            outside it one static re-plan with a warning (``DynamicShapeError`` under
+            ``strict``). ``report.dynamic`` shows the ranges and verified sizes.
+        dynamic_shapes: torch.export's own ``dynamic_shapes`` (implies ``dynamic``).
     Returns:
         :class:`FusedModule` whose outputs equal ``model(*inputs)`` within the dtype tolerance
         (:data:`opfuse.verify.TOLERANCE`); ``.report`` is the :class:`FusionReport`.
@@ -277,8 +332,12 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
         check_decide(decide)
     except ValueError as exc:
         raise OptimizeError(str(exc)) from None
+    if dynamic_shapes is not None:
+        dynamic = dynamic_shapes
+    elif dynamic not in (True, False):
+        raise OptimizeError(f"opfuse: dynamic must be True or False (or pass dynamic_shapes=), got {dynamic!r}")
     fused = FusedModule(model, dict(theta=theta, device=device, verify=verify, strict=strict, name=name, gemm=gemm,
-                                    capture=capture, decide=decide))
+                                    capture=capture, decide=decide, dynamic=dynamic or None))
     fused.plan_for(tuple(example_inputs), kwargs)
     return fused
 

@@ -41,6 +41,7 @@ import torch
 from torch import fx
 
 from .cost.device import cpu_model, load_cache, save_cache
+from .graph.meta import concrete as as_int
 from .graph.state import foldable, note_derived
 from .rewrite import drop_unused_parameters
 
@@ -166,7 +167,7 @@ def _value(gm: fx.GraphModule, value, concrete: bool):
         v = value.meta.get("val")
         if not isinstance(v, torch.Tensor):
             raise ValueError(f"no recorded value for {value.name}")
-        return torch.randn(tuple(v.shape), dtype=v.dtype) if concrete else v
+        return torch.randn(tuple(map(as_int, v.shape)), dtype=v.dtype) if concrete else v
     if isinstance(value, (list, tuple)):
         return type(value)(_value(gm, v, concrete) for v in value)
     return value
@@ -211,7 +212,7 @@ def choose(site: Site, args: list, backends: list[GemmBackend], cache: dict,
     version, threads, op, argument shapes and dtypes — ``args`` may be fake tensors)."""
     def sig(a):
         if isinstance(a, torch.Tensor):
-            return "x".join(map(str, a.shape)) + ":" + str(a.dtype).replace("torch.", "")
+            return "x".join(str(as_int(d)) for d in a.shape) + ":" + str(a.dtype).replace("torch.", "")
         return repr(a)
     key = (f"{cpu_model()} | torch {torch.__version__} | threads {torch.get_num_threads()} | {site.kind}("
            + ", ".join(sig(a) for a in args) + ") | " + ",".join(be.name for be in backends))
@@ -271,7 +272,7 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None) -> list[Gemm
                 and xv.device.type == "cpu" and wv.device.type == "cpu" and wv.is_contiguous()):
             continue
         n, k = wv.shape
-        m = prod(xv.shape[:-1])
+        m = as_int(prod(xv.shape[:-1]))
         if m == 0:
             continue
         try:

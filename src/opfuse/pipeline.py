@@ -16,6 +16,8 @@ from .cost.select import Candidate, estimate, select
 from .graph.blocks import first_block, op_sequence
 from .graph.canonicalize import canonicalize
 from .graph.capture import capture, check_python_state
+from .graph.dynamic import (DynamicSpec, auto_shapes, export_shapes, sample_inputs, shape_env_of, size_assumptions,
+                            spec_of, widen)
 from .graph.state import StateSnapshot, check_functional, copy_inputs, mutated_targets
 from .gemm import apply_gemm_choices
 from .graph.meta import nbytes, tensor_values
@@ -40,6 +42,8 @@ class Plan:
     candidates: list[Candidate]
     writes: frozenset = frozenset()
     derived: frozenset = frozenset()
+    dynamic: DynamicSpec | None = None
+    dynamic_key: tuple | None = None  # the input signature with the dynamic dims left out
 
 
 def legality(matches, graph: fx.Graph | None = None) -> list[Candidate]:
@@ -47,13 +51,21 @@ def legality(matches, graph: fx.Graph | None = None) -> list[Candidate]:
     check on the region's fake inputs (:func:`kernel_refusal`: dtypes of every operand,
     shapes, devices); illegal ones keep their reason. A ``graph`` that writes a tensor in
     place anywhere but in its trailing write-backs (capture functionalises, so this is a
-    safety net) makes every candidate illegal: a fused op could read across the write."""
+    safety net) makes every candidate illegal: a fused op could read across the write.
+    On a dynamic capture, a check that had to assume a size
+    (:func:`opfuse.graph.dynamic.size_assumptions`) makes its candidate illegal: legality
+    must hold over the whole range."""
     unsafe = check_functional(graph) if graph is not None else None
+    env = shape_env_of(graph) if graph is not None else None
     cands = []
     for m in matches:
         problem = f"the graph is not functional: {unsafe}" if unsafe else None
-        problem = problem or (m.pattern.check(m) if m.pattern.check else None)
-        problem = problem or kernel_refusal(m)
+        with size_assumptions(env) as assumed:
+            problem = problem or (m.pattern.check(m) if m.pattern.check else None)
+            problem = problem or kernel_refusal(m)
+        if assumed and not problem:  # the check held at the example size only
+            problem = ("legal at the example size only: the check assumed "
+                       f"{'; '.join(assumed[:3])} of a dynamic dim (not true over the whole range)")
         cand = Candidate(m)
         if problem:
             cand.legal, cand.reason = False, f"illegal ({m.pattern.name} anchored at {m.anchor.name}): {problem}"
@@ -104,7 +116,7 @@ def cost(cands: list[Candidate], device: DeviceProfile) -> None:
 def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, theta: float = 0.3,
         device: DeviceProfile | None = None, verify: bool = True, strict: bool = False,
         rewrite_graph: bool = True, patterns: list[Pattern] | None = None, name: str | None = None,
-        gemm: str | None = None, decide: str | None = None) -> Plan:
+        gemm: str | None = None, decide: str | None = None, dynamic=None) -> Plan:
     """capture → canonicalize → match → legality → cost → select → time → verify → rewrite
     → GEMM backends → report (→ whole-model check when ``verify``).
 
@@ -112,6 +124,10 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, thet
     ``OPFUSE_GEMM`` or ``"auto"``: measured per shape and cached). ``decide``: ``"time"``
     (default, or ``OPFUSE_DECIDE``) also requires each selected CPU region to be measured
     faster than its unfused ops (:mod:`opfuse.timegate`); ``"rho"``: the traffic gate alone.
+    ``dynamic``: None (a static plan for the example shapes), True (batch and sequence dims
+    symbolic, :func:`opfuse.graph.dynamic.auto_shapes`) or torch.export's own
+    ``dynamic_shapes``; a dynamic plan is decided at the example size and verified there and
+    at the range's other sizes (:func:`opfuse.graph.dynamic.sample_inputs`).
 
     Raises:
         ValueError: unknown ``decide`` mode."""
@@ -123,13 +139,26 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, thet
         snapshot.restore()
         return _passes(model, args, kwargs, theta=theta, device=device, verify=verify, strict=strict,
                        rewrite_graph=rewrite_graph, patterns=patterns, name=name, gemm=gemm,
-                       decide=check_decide(decide))
+                       decide=check_decide(decide), dynamic=dynamic)
     finally:
         snapshot.restore()
 
 
+def _capture(model, args, kwargs, dynamic):
+    """(gm, DynamicSpec or None): the static capture, or the dynamic one (examples widened
+    so no dynamic dim is fixed at 1, :func:`opfuse.graph.dynamic.widen`)."""
+    if dynamic is None or dynamic is False:
+        return capture(model, args, kwargs), None
+    if dynamic is True:
+        shapes = auto_shapes(model, args, kwargs)
+        gm = capture(model, *widen(args, kwargs, shapes), dynamic_shapes=export_shapes(model, shapes))
+    else:
+        gm = capture(model, args, kwargs, dynamic_shapes=dynamic)
+    return gm, spec_of(gm, args, kwargs, auto=dynamic is True)
+
+
 def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph, patterns, name, gemm,
-            decide) -> Plan:
+            decide, dynamic=None) -> Plan:
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
@@ -139,7 +168,7 @@ def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph
         timings[stage] = now - t0
         t0 = now
 
-    gm = capture(model, args, kwargs);                              lap("capture")
+    gm, spec = _capture(model, args, kwargs, dynamic);             lap("capture")
     canonicalize(gm);                                               lap("canonicalize")
     respelled = respell(gm, find_matches(gm.graph, SPELLINGS)[0]);  lap("respell")
     block = first_block(gm.graph)
@@ -153,8 +182,12 @@ def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph
     env = record_values(gm, args, kwargs) if rewrite_graph and (verify or decide == "time") else None
     if rewrite_graph and decide == "time":
         decide_by_time(cands, env, theta);                          lap("time")
+    samples = sample_inputs(spec, args, kwargs) if spec is not None else []
     if verify and rewrite_graph:
-        verify_regions(gm, cands, args, kwargs, strict=strict, env=env); lap("verify")
+        verify_regions(gm, cands, args, kwargs, strict=strict, env=env)
+        for _sizes, a, k in samples:  # a dynamic plan: the range's other sizes too
+            verify_regions(gm, cands, a, k, strict=strict)
+        lap("verify")
     if rewrite_graph:
         rewrite(gm, cands);                                         lap("rewrite")
         gemms = apply_gemm_choices(gm, gemm);                       lap("gemm")
@@ -170,8 +203,13 @@ def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph
     if rewrite_graph:
         report.gemm = [asdict(g) for g in gemms]
         report.inplace_writes = in_place
+    if spec is not None:
+        report.dynamic = {"dims": spec.describe(), "decided_at": _sizes_of(spec, args, kwargs),
+                          "verified_at": ([_sizes_of(spec, args, kwargs)] + [s for s, _, _ in samples])
+                          if verify and rewrite_graph else []}
     if verify and rewrite_graph:
-        report.max_error = model_error(model, gm, args, kwargs);   lap("check model")
+        report.max_error = max([model_error(model, gm, args, kwargs)]
+                               + [model_error(model, gm, a, k) for _s, a, k in samples]); lap("check model")
     report.ops_before = before
     report.block_graph = summary
     if rewrite_graph:
@@ -184,7 +222,13 @@ def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph
                 planned.update({n: tag for n in c.match.region})
         report.ops_after = op_sequence(gm.graph, block, planned)
     derived = frozenset(src for srcs in gm.meta.get("opfuse_derived", {}).values() for src in srcs)
-    return Plan(gm, report, cands, writes=frozenset(mutated_targets(gm.graph)["buffers"]), derived=derived)
+    return Plan(gm, report, cands, writes=frozenset(mutated_targets(gm.graph)["buffers"]), derived=derived,
+                dynamic=spec)
+
+
+def _sizes_of(spec: DynamicSpec, args, kwargs) -> dict[str, int]:
+    """{symbol: size} of the dynamic dims in these inputs."""
+    return {s: (args[i] if isinstance(i, int) else kwargs[i]).shape[d] for i, d, s in spec.dims}
 
 
 def _device_of(args, kwargs) -> torch.device:

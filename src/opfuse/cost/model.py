@@ -18,7 +18,7 @@ from ..graph.meta import VIEW_OPS, nbytes, node_bytes, node_flops, reshape_copie
 
 def tensor_bytes(t) -> int:
     """Bytes of a tensor (numel × element size); 0 for None."""
-    return 0 if t is None else t.numel() * t.element_size()
+    return 0 if t is None else nbytes(t)
 
 
 @dataclass(frozen=True)

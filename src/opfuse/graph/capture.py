@@ -25,13 +25,16 @@ class PythonStateError(CaptureError):
     pieces, which would recompile for every new value) replays that; raised, never fused."""
 
 
-def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> fx.GraphModule:
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
+            dynamic_shapes=None) -> fx.GraphModule:
     """Export ``model(*args, **kwargs)`` to an ATen ``fx.GraphModule``.
 
     Args:
         model: an ``nn.Module`` in eval mode (training mode is refused by the caller).
         args, kwargs: example inputs; their shapes are baked into the graph (export
-            specialises view sizes), so other shapes need another capture.
+            specialises view sizes), so other shapes need another capture — unless
+        dynamic_shapes: torch.export's ``dynamic_shapes`` (:mod:`opfuse.graph.dynamic`):
+            those dims become symbolic (SymInt) and the graph serves their whole range.
     Returns:
         ``ep.module()``: parameters and buffers are ``get_attr`` nodes (the model's own
         tensors, shared), the only placeholders are the user inputs. A forward that
@@ -45,7 +48,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
             data-dependent shapes...), with export's message.
     """
     try:
-        ep = torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False)
+        ep = torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False,
+                                 dynamic_shapes=dynamic_shapes)
     except Exception as exc:  # export raises many types; name the stage and the cause
         raise CaptureError(f"opfuse: torch.export could not capture {type(model).__name__}: "
                            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc

@@ -44,9 +44,20 @@ def tensor_values(value) -> list[torch.Tensor]:
     return []
 
 
+def concrete(x) -> int:
+    """``x`` as a Python int: a symbolic size (``torch.SymInt`` of a dynamic capture) at
+    its example value (``optimization_hint``: no guard is added, so a cost decision never
+    specialises the graph)."""
+    if isinstance(x, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+        return int(optimization_hint(x))
+    return x
+
+
 def nbytes(value) -> int:
-    """Bytes of the tensors in ``value`` (numel × element size), 0 for non-tensors."""
-    return sum(t.numel() * t.element_size() for t in tensor_values(value))
+    """Bytes of the tensors in ``value`` (numel × element size), 0 for non-tensors; a
+    dynamic capture's symbolic sizes count at their example values (:func:`concrete`)."""
+    return sum(concrete(t.numel()) * t.element_size() for t in tensor_values(value))
 
 
 def node_value(node) -> object:
@@ -92,7 +103,12 @@ def node_bytes(node: fx.Node) -> tuple[int, int]:
 
 
 def node_flops(node: fx.Node) -> int:
-    """Floating-point operations of ``node`` (multiply and add counted separately)."""
+    """Floating-point operations of ``node`` (multiply and add counted separately; symbolic
+    sizes at their example values)."""
+    return concrete(_node_flops(node))
+
+
+def _node_flops(node: fx.Node):
     if node.op != "call_function":
         return 0
     out = node_value(node)
@@ -117,13 +133,18 @@ def node_flops(node: fx.Node) -> int:
     return per * sum(v.numel() for v in tensor_values(out))
 
 
-def input_signature(args: tuple, kwargs: dict) -> tuple:
+def input_signature(args: tuple, kwargs: dict, wildcards: frozenset = frozenset()) -> tuple:
     """(shape, dtype, device, contiguity) of every tensor input, plus non-tensor values: the
-    key of a plan (FusedModule, the compile backend) and of a region's measured times."""
-    def one(v):
+    key of a plan (FusedModule, the compile backend) and of a region's measured times.
+    ``wildcards``: (input, dim) pairs — input a positional index or a keyword name — whose
+    size is left out (None): the key of a dynamic plan (:mod:`opfuse.graph.dynamic`)."""
+    def one(v, where=None):
         if isinstance(v, torch.Tensor):
-            return ("T", tuple(v.shape), v.dtype, v.device.type, v.is_contiguous())
+            shape = tuple(v.shape)
+            if wildcards and where is not None:
+                shape = tuple(None if (where, d) in wildcards else n for d, n in enumerate(shape))
+            return ("T", shape, v.dtype, v.device.type, v.is_contiguous())
         if isinstance(v, (list, tuple)):
             return tuple(one(x) for x in v)
         return ("V", repr(v))
-    return (tuple(one(a) for a in args), tuple(sorted((k, one(v)) for k, v in kwargs.items())))
+    return (tuple(one(a, i) for i, a in enumerate(args)), tuple(sorted((k, one(v, k)) for k, v in kwargs.items())))

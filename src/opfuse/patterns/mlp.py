@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cost.model import Cost, tensor_bytes, unfused_cost
+from ..graph.meta import concrete
 from .common import check_float, check_linear, check_same_shape, first_problem, shape, val
 from .engine import Pattern
 
@@ -148,7 +149,7 @@ def ffn_fused_cost(match, device) -> Cost:
     per row block (bytes); FLOPs as unfused."""
     x, w1, b1, w2, b2 = (val(match.inputs[n]) for n in ("x", "w1", "b1", "w2", "b2"))
     out = val(match.outputs[0])
-    rows = math.prod(x.shape[:-1])
+    rows = concrete(math.prod(x.shape[:-1]))
     block = ffn_block_rows(w1.shape[0], device.cache_bytes)
     match.params["block_rows"] = block
     blocks = math.ceil(rows / block)

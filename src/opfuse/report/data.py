@@ -62,6 +62,9 @@ class FusionReport:
     # how the model was captured: {"mode": "whole"}, or (opfuse.partial) {"mode": "pieces",
     # "reason": why torch.export refused the whole model, "pieces": n, "unfused": [why per piece]}
     capture: dict = field(default_factory=lambda: {"mode": "whole"})
+    # a dynamic plan (opfuse.graph.dynamic): {"dims": ["arg0 dim 1: s1 in [1, 512]", ...],
+    # "decided_at": {symbol: size}, "verified_at": [{symbol: size}, ...]}; empty when static
+    dynamic: dict = field(default_factory=dict)
     inplace_writes: int = 0   # functionalised cache writes put back in place (rewrite.inplace_cache_writes)
 
     @property

@@ -26,6 +26,8 @@ import subprocess
 import textwrap
 from pathlib import Path
 
+from .text import dynamic_line
+
 DOT = "dot"                       # Graphviz executable (tests point it elsewhere)
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#edc948", "#76b7b2", "#ff9da7", "#9c755f",
            "#17becf", "#bcbd22"]
@@ -418,6 +420,7 @@ def header(report, device) -> str:
             ("device", f"{report.device} ({device.name}: {device.bandwidth / 1e9:.0f} GB/s, "
                        f"{device.peak_flops / 1e9:.0f} GFLOP/s)"),
             ("θ", report.theta), ("opfuse", report.version),
+            ("shapes", dynamic_line(report) or "static (the example inputs' shapes)"),
             ("verification", "per region on the example inputs" if report.verified else "skipped"),
             ("optimize time", f"{total_time:.2f} s (" + ", ".join(f"{k} {v:.2f}" for k, v in
                                                                  report.timings_s.items()) + ")")]

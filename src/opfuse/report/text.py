@@ -96,6 +96,19 @@ def header_text(report) -> Text:
                          f"θ={report.theta}")
 
 
+def dynamic_line(report) -> str | None:
+    """One line on the plan's shapes: the dynamic dims with their ranges and the sizes it
+    was decided and verified at; why a dynamic capture was refused; None for a static plan."""
+    d = report.dynamic
+    if not d:
+        return None
+    if "refused" in d:
+        return d["refused"]
+    sizes = lambda s: "×".join(str(v) for v in s.values())  # noqa: E731
+    return ("one plan for " + "; ".join(d["dims"]) + f" — decided at {sizes(d['decided_at'])}, verified at "
+            + (", ".join(sizes(s) for s in d["verified_at"]) or "none"))
+
+
 def render(report, limit: int | None = 40, block_only: bool = True) -> Group:
     """Header, op sequence of one block before/after, regions (of the first repeated block
     unless ``block_only`` is False), per-pattern totals, traffic totals, near misses."""
@@ -106,6 +119,8 @@ def render(report, limit: int | None = 40, block_only: bool = True) -> Group:
                                    f"torch.export could not capture the whole model ({c['reason']}); dynamo split "
                                    f"it into {c['pieces']} graph(s), each fused on its own, the code between them "
                                    "runs eagerly" + ("; run unfused: " + "; ".join(c["unfused"]) if c["unfused"] else "")))
+    if dynamic_line(report):
+        parts.append(Text.assemble(("Dynamic shapes: ", "bold"), dynamic_line(report)))
     first = next((r.block for r in report.regions if r.block), "")
     if report.ops_before:
         parts.append(Text.assemble((f"one block ({first or 'whole graph'}) before: ", "bold"),

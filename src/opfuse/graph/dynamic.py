@@ -1,0 +1,250 @@
+"""Dynamic shapes: one captured plan for every batch size and sequence length in a range.
+
+The capture runs ``torch.export`` with :class:`torch.export.Dim` hints, so view sizes and
+scales are symbolic (SymInt) in the graph and every fused op is shape-generic; the
+pattern library matches the symbolic graph as it matches a static one (the ops are the
+same). What depends on a size is decided at the example size (cost, measured times, GEMM
+backend; :func:`opfuse.graph.meta.concrete`), and what must hold over the whole range is
+checked over it: a legality check that had to assume a size (a symbolic size turned into
+a Python bool or int that the range does not decide) is refused (:func:`size_assumptions`), and verification runs at several sizes of
+the range (:func:`sample_inputs`).
+
+Which dims are dynamic (``dynamic=True``, :func:`auto_shapes`): of every tensor input with
+two or more dims, dim 0 is the batch; dim 1 is the sequence for integer or bool inputs
+(token ids, attention masks, token types, positions) and for 3-D floating inputs
+(``inputs_embeds``). The sequence range ends at the model's position limit
+(``config.max_position_embeddings`` / ``n_positions``) where it has one. ``torch.export``
+may narrow a range or keep a dim static (the model fixes it); :class:`DynamicSpec` is what
+the capture actually made dynamic, read back from the graph's placeholders.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+#: Largest batch of an automatic dynamic range (export needs no bound; the report shows one).
+MAX_BATCH = 1024
+
+
+class DynamicShapeError(ValueError):
+    """A call's shape is outside the dynamic plan's range (raised under ``strict``), or a
+    ``dynamic_shapes`` argument torch.export cannot use; the message names the input and dim."""
+
+
+def position_limit(model: torch.nn.Module) -> int | None:
+    """The model's longest sequence (``max_position_embeddings``, ``n_positions``,
+    ``max_seq_len`` of its config), or None."""
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 1:
+            return value
+    return None
+
+
+def _auto_dims(t: torch.Tensor) -> dict[int, str]:
+    if not isinstance(t, torch.Tensor) or t.dim() < 2:
+        return {}
+    dims = {0: "batch"}
+    if not t.is_floating_point() or t.dim() == 3:
+        dims[1] = "seq"
+    return dims
+
+
+def auto_shapes(model: torch.nn.Module, args: tuple, kwargs: dict):
+    """``dynamic_shapes`` for ``torch.export.export`` by the module docstring's rule:
+    ``Dim.AUTO`` with the batch in [1, MAX_BATCH] and the sequence in [1, position limit]
+    (export infers which dims are equal and narrows or fixes what the model constrains).
+
+    Returns:
+        a tuple (one entry per positional argument) and a dict (per keyword argument) of
+        ``{dim: Dim.AUTO(min, max)}`` or None, in torch.export's form."""
+    from torch.export import Dim
+    limit = position_limit(model) or 1 << 20
+    bounds = {"batch": (1, MAX_BATCH), "seq": (1, limit)}
+
+    def one(v):
+        return {d: Dim.AUTO(min=bounds[k][0], max=bounds[k][1]) for d, k in _auto_dims(v).items()} or None
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+
+def export_shapes(model: torch.nn.Module, shapes):
+    """:func:`auto_shapes`' (positional tuple, keyword dict) as the dict by forward
+    parameter name that ``torch.export.export`` takes; any other form (the user's own
+    ``dynamic_shapes=``) unchanged."""
+    if not (isinstance(shapes, tuple) and len(shapes) == 2 and isinstance(shapes[1], dict)):
+        return shapes
+    pos, kw = shapes
+    names = list(inspect.signature(model.forward).parameters)
+    out = dict(zip(names, pos))
+    out.update(kw)
+    return out
+
+
+def widen(args: tuple, kwargs: dict, shapes) -> tuple[tuple, dict]:
+    """The example inputs tiled so every dynamic dim is at least 2 (torch.export fixes a
+    dim whose example size is 0 or 1: it cannot tell a broadcast from a batch of one).
+    ``shapes``: :func:`auto_shapes`' (tuple, dict) form."""
+    pos, kw = shapes
+
+    def one(v, spec):
+        if not spec or not isinstance(v, torch.Tensor):
+            return v
+        return resize(v, {d: max(2, v.shape[d]) for d in spec})
+    return tuple(one(a, s) for a, s in zip(args, pos)), {k: one(v, kw.get(k)) for k, v in kwargs.items()}
+
+
+def resize(t: torch.Tensor, sizes: dict[int, int]) -> torch.Tensor:
+    """``t`` tiled (``repeat``) and cropped along ``sizes``' dims: real values of the example
+    (token ids of the vocabulary, a mask's padding structure) at another size."""
+    for d, n in sizes.items():
+        if t.shape[d] == 0:
+            raise DynamicShapeError(f"opfuse: cannot resize an empty dim {d} of a {list(t.shape)} input")
+        reps = [1] * t.dim()
+        reps[d] = -(-n // t.shape[d])
+        t = t.repeat(reps).narrow(d, 0, n)
+    return t.contiguous()
+
+
+@dataclass(frozen=True)
+class DynamicSpec:
+    """The dims a capture made dynamic: ``dims`` ((input, dim, symbol), ...) with input a
+    positional index (int) or a keyword name (str); ``ranges`` symbol -> (min, max)."""
+
+    dims: tuple
+    ranges: tuple  # ((symbol, lo, hi), ...)
+
+    @property
+    def wildcards(self) -> frozenset:
+        return frozenset((i, d) for i, d, _ in self.dims)
+
+    def range_of(self, symbol: str) -> tuple[int, int]:
+        return next((lo, hi) for s, lo, hi in self.ranges if s == symbol)
+
+    def describe(self) -> list[str]:
+        """One line per dynamic dim: ``arg0 dim 1: s1 in [1, 512]``."""
+        return [f"{'arg' + str(i) if isinstance(i, int) else i} dim {d}: {s} in "
+                f"[{self.range_of(s)[0]}, {self.range_of(s)[1]}]" for i, d, s in self.dims]
+
+    def out_of_range(self, args: tuple, kwargs: dict) -> str | None:
+        """Why a call's sizes are outside the ranges (None when inside)."""
+        for i, d, s in self.dims:
+            v = args[i] if isinstance(i, int) else kwargs.get(i)
+            lo, hi = self.range_of(s)
+            n = v.shape[d]
+            if not lo <= n <= hi:
+                where = f"arg{i}" if isinstance(i, int) else i
+                return f"{where} dim {d} is {n}, outside the dynamic range [{lo}, {hi}] of {s}"
+        return None
+
+
+def spec_of(gm: fx.GraphModule, args: tuple, kwargs: dict, auto: bool = True) -> DynamicSpec | None:
+    """Read back which input dims the capture made symbolic (placeholders in input order:
+    the flattened positional then keyword inputs, as ``ep.module()`` takes them) and their
+    value ranges; None when every dim stayed static. ``auto`` (:func:`auto_shapes`' ranges,
+    which start at 1): a range export reports from 2 (its floor for a traced size) starts
+    at 1, which :func:`sample_inputs` verifies; the user's own ranges are kept as export
+    reports them."""
+    from torch.utils._pytree import tree_flatten
+    from torch.utils._sympy.value_ranges import ValueRanges  # noqa: F401  (ranges' type)
+    names = [*range(len(args)), *kwargs]
+    flat = [*args, *kwargs.values()]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    leaves = []
+    for name, value in zip(names, flat):
+        sub, _ = tree_flatten(value)
+        leaves += [(name, v) for v in sub]
+    dims, ranges = [], {}
+    for (name, value), node in zip(leaves, placeholders):
+        fake = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or not isinstance(fake, torch.Tensor):
+            continue
+        for d, size in enumerate(fake.shape):
+            if isinstance(size, torch.SymInt) and not isinstance(size.node.maybe_as_int(), int):
+                expr = size.node.expr
+                env = size.node.shape_env
+                vr = env.var_to_range.get(expr)
+                if vr is None:  # an expression of symbols: its bound from the shape env
+                    vr = env.bound_sympy(expr)
+                lo, hi = int(vr.lower), vr.upper
+                lo = 1 if auto and lo == 2 else lo
+                hi = int(hi) if hi.is_finite else MAX_BATCH * 1024
+                dims.append((name, d, str(expr)))
+                ranges[str(expr)] = (lo, hi)
+    if not dims:
+        return None
+    return DynamicSpec(tuple(dims), tuple((s, lo, hi) for s, (lo, hi) in ranges.items()))
+
+
+def sample_inputs(spec: DynamicSpec, args: tuple, kwargs: dict) -> list[tuple[dict, tuple, dict]]:
+    """Inputs at other sizes of the range for verification, each ({symbol: size}, args,
+    kwargs): every dynamic dim at its minimum (a batch of one, a one-token sequence), and
+    an odd size between (example + 13, capped at the maximum: not a power of two, not the
+    example's block multiple; the batch, dim 0, one more than the example's). Sizes equal to
+    the example's are skipped."""
+    example = {}
+    for i, d, s in spec.dims:
+        v = args[i] if isinstance(i, int) else kwargs[i]
+        example[s] = v.shape[d]
+    batch = {s for _i, d, s in spec.dims if d == 0}
+    choices = [{s: spec.range_of(s)[0] for s in example},
+               {s: min(spec.range_of(s)[1], n + (1 if s in batch else 13)) for s, n in example.items()}]
+    out = []
+    for sizes in choices:
+        if sizes == example or any(k == sizes for k, _, _ in out):
+            continue
+        a, k = list(args), dict(kwargs)
+        for i, d, s in spec.dims:
+            if isinstance(i, int):
+                a[i] = resize(a[i], {d: sizes[s]})
+            else:
+                k[i] = resize(k[i], {d: sizes[s]})
+        out.append((sizes, tuple(a), k))
+    return out
+
+
+def shape_env_of(graph: fx.Graph):
+    """The ShapeEnv of a dynamic capture's graph (None for a static one)."""
+    for n in graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            for size in v.shape:
+                if isinstance(size, torch.SymInt):
+                    return size.node.shape_env
+    return None
+
+
+@contextmanager
+def size_assumptions(env):
+    """Collect the size assumptions code makes inside the block: every symbolic size of
+    ``env`` that is turned into a Python bool or int (``if x.shape[1] > 64``, ``int(n)``)
+    whose value is not known for the whole range (``statically_known_true`` of it or its
+    negation: the ranges and the capture's own guards). Guards are suppressed meanwhile, so
+    one check's assumption is not taken as a fact by the next. Yields the list of the
+    assumed expressions (empty for a static graph, ``env`` None)."""
+    found: list[str] = []
+    if env is None:
+        yield found
+        return
+    from torch.fx.experimental.sym_node import SymNode
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    real = SymNode.evaluate
+
+    def evaluate(self, *args, **kwargs):
+        if self.shape_env is env and self.expr.free_symbols:
+            known = self.is_bool() and (statically_known_true(torch.SymBool(self))
+                                        or statically_known_true(torch.sym_not(torch.SymBool(self))))
+            if not known:
+                found.append(str(self.expr))
+        return real(self, *args, **kwargs)
+    SymNode.evaluate = evaluate
+    try:
+        with env.suppress_guards():
+            yield found
+    finally:
+        SymNode.evaluate = real

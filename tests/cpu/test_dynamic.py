@@ -1,0 +1,189 @@
+"""Dynamic shapes (opfuse.graph.dynamic): one optimize serves every batch and sequence length
+of the range, each call equal to the eager model; the same fusions as the static plan;
+out-of-range calls re-plan once with a warning (an error under strict); a legality check
+that holds only at the example size, or a kernel wrong at another size, does not fuse."""
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import opfuse
+from opfuse import pipeline
+from opfuse.graph.dynamic import DynamicShapeError, auto_shapes, resize
+from opfuse.models import load
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "golden"))
+from plans import CASES, path_of  # noqa: E402
+
+
+def _inputs(vocab: int, batch: int, seq: int, mask: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    if not mask:
+        return (ids,)
+    m = torch.ones(batch, seq, dtype=torch.long)
+    m[0, seq // 2 + 1:] = 0  # right padding in the first row
+    if batch > 1:
+        m[-1, : seq // 3] = 0  # left padding in the last row
+        m[-1, -1] = 1
+    return ids, m
+
+
+def _close(out, ref):
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{m}-{a}" for m, a, _, _ in CASES])
+def test_golden_plan_is_the_same_dynamic(case):
+    """Every golden plan is identical between the static and the dynamic capture, and the
+    dynamic plan serves two other sizes without re-planning."""
+    model, attn, batch, seq = case
+    golden = json.loads(path_of(model, attn).read_text())
+    loaded = load(model, batch=batch, seq=seq, attn=attn)
+    fused = opfuse.optimize(loaded.model, loaded.args, dynamic=True)
+    assert dict(sorted(fused.report.counts().items())) == golden["fused"]
+    assert fused.report.dynamic["dims"], fused.report.dynamic
+    if model.startswith("vit"):
+        others = [(torch.randn(1, *loaded.args[0].shape[1:]),), (torch.randn(3, *loaded.args[0].shape[1:]),)]
+    else:
+        vocab = loaded.model.config.vocab_size
+        mask = len(loaded.args) > 1
+        others = [_inputs(vocab, 1, 7, mask), _inputs(vocab, 3, 77, mask)]
+    for args in others:
+        with torch.no_grad():
+            _close(fused(*args), loaded.model(*args))
+    assert len(fused.reports) == 1 and fused.replans == []
+
+
+@pytest.fixture(scope="module")
+def bert():
+    loaded = load("bert-tiny", batch=4, seq=64)
+    return loaded, opfuse.optimize(loaded.model, loaded.args, dynamic=True)
+
+
+@pytest.mark.parametrize("seq", [1, 7, 77, 128, 129, 300])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_bert_every_length_no_replan(bert, batch, seq):
+    loaded, fused = bert
+    args = _inputs(loaded.model.config.vocab_size, batch, seq, mask=True, seed=batch * 1000 + seq)
+    with torch.no_grad():
+        _close(fused(*args), loaded.model(*args))
+    assert len(fused.reports) == 1 and fused.replans == []
+
+
+def test_bert_report_ranges_and_verified_sizes(bert):
+    _, fused = bert
+    d = fused.report.dynamic
+    assert any("dim 1" in line and "[1, 512]" in line for line in d["dims"]), d  # max_position_embeddings
+    assert len(d["verified_at"]) >= 3
+    assert any(set(sizes.values()) == {1} for sizes in d["verified_at"])  # the range's minimum
+    assert fused.report.max_error < 1e-4
+    from opfuse.report.text import dynamic_line
+    assert "one plan for" in dynamic_line(fused.report)
+
+
+def test_decoder_dynamic_lengths():
+    loaded = load("llama-tiny", batch=2, seq=32)
+    fused = opfuse.optimize(loaded.model, loaded.args, dynamic=True)
+    assert fused.report.counts().get("rope", 0) > 0 and fused.report.counts().get("attention", 0) > 0
+    for batch, seq in [(1, 1), (1, 5), (3, 40), (2, 100)]:
+        (ids,) = _inputs(loaded.model.config.vocab_size, batch, seq, mask=False, seed=seq)
+        with torch.no_grad():
+            _close(fused(ids), loaded.model(ids))
+    assert len(fused.reports) == 1
+
+
+def test_outside_the_range_replans_once_with_a_warning():
+    loaded = load("bert-tiny", batch=2, seq=16)
+    shapes = auto_shapes(loaded.model, loaded.args, {})
+    seq_dim = torch.export.Dim("seq", min=2, max=32)
+    fused = opfuse.optimize(loaded.model, loaded.args, dynamic_shapes={"input_ids": {1: seq_dim},
+                                                                       "attention_mask": {1: seq_dim}})
+    assert shapes  # the automatic form exists for this model too
+    assert any("[2, 32]" in line for line in fused.report.dynamic["dims"]), fused.report.dynamic
+    args = _inputs(loaded.model.config.vocab_size, 2, 40, mask=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            _close(fused(*args), loaded.model(*args))
+            fused(*args)
+    assert [w for w in caught if "outside the dynamic range [2, 32]" in str(w.message)]
+    assert len(fused.reports) == 2 and len(fused.replans) == 1
+    strict = opfuse.optimize(loaded.model, loaded.args, strict=True,
+                             dynamic_shapes={"input_ids": {1: seq_dim}, "attention_mask": {1: seq_dim}})
+    with pytest.raises(DynamicShapeError, match="input_ids|arg0"):
+        strict(*args)
+
+
+def test_a_check_that_assumes_a_size_does_not_fuse():
+    """Legality must hold over the whole range: a check that compares a dynamic size
+    (here: sequence > 64, true at the example) adds a shape guard and its region is refused,
+    with the reason; the static plan of the same shapes fuses it."""
+    from dataclasses import replace
+
+    from opfuse.patterns import LIBRARY
+    from opfuse.patterns.common import val
+
+    def sized(original):
+        def check(m):
+            x = val(next(iter(m.inputs.values())))
+            if x.shape[1] <= 64:  # a size assumption on the sequence dim
+                return "too short"
+            return original(m) if original else None
+        return check
+    library = [replace(p, check=sized(p.check)) if p.name == "add_layernorm" else p for p in LIBRARY]
+    loaded = load("bert-tiny", batch=2, seq=100)
+    dyn = pipeline.run(loaded.model, loaded.args, {}, dynamic=True, patterns=library).report
+    static = pipeline.run(loaded.model, loaded.args, {}, patterns=library).report
+    assert static.counts().get("add_layernorm", 0) > 0
+    assert dyn.counts().get("add_layernorm", 0) == 0
+    assert any(r.pattern == "add_layernorm" and "legal at the example size only" in r.reason for r in dyn.regions)
+
+
+def test_a_region_wrong_at_another_size_reverts(monkeypatch):
+    """Verification runs at the range's other sizes: a fused result that is wrong only for a
+    batch of one reverts its regions (the static plan at the example size keeps them)."""
+    from opfuse import verify
+    real = verify.run_region
+
+    def wrong_for_one_row(cand, env):
+        outs = real(cand, env)
+        if cand.match.pattern.name == "attention" and outs[0].shape[0] == 1:
+            return [o + 1.0 for o in outs]
+        return outs
+    monkeypatch.setattr(verify, "run_region", wrong_for_one_row)
+    loaded = load("bert-tiny", batch=2, seq=32)
+    report = pipeline.run(loaded.model, loaded.args, {}, dynamic=True).report
+    reverted = [r for r in report.regions if r.pattern == "attention" and r.decision == "reverted"]
+    assert reverted and report.counts().get("attention", 0) == 0
+    assert pipeline.run(loaded.model, loaded.args, {}).report.counts().get("attention", 0) > 0
+
+
+def test_dynamic_capture_refused_falls_back_static(monkeypatch):
+    from opfuse.graph import capture as cap
+    from opfuse.graph.capture import CaptureError
+    real = cap.capture
+
+    def no_dynamic(model, args, kwargs=None, dynamic_shapes=None):
+        if dynamic_shapes is not None:
+            raise CaptureError("opfuse: torch.export could not capture it dynamically (test)")
+        return real(model, args, kwargs)
+    monkeypatch.setattr(pipeline, "capture", no_dynamic)
+    loaded = load("bert-tiny", batch=2, seq=16)
+    fused = opfuse.optimize(loaded.model, loaded.args, dynamic=True)
+    assert "static plan of these shapes" in fused.report.dynamic["refused"]
+    with torch.no_grad():
+        _close(fused(*loaded.args), loaded.model(*loaded.args))
+
+
+def test_resize_keeps_values_and_bad_dynamic_arguments():
+    t = torch.arange(6).reshape(2, 3)
+    assert resize(t, {1: 7}).tolist() == [[0, 1, 2, 0, 1, 2, 0], [3, 4, 5, 3, 4, 5, 3]]
+    assert resize(t, {0: 1, 1: 2}).tolist() == [[0, 1]]
+    loaded = load("bert-tiny", batch=2, seq=16)
+    with pytest.raises(opfuse.OptimizeError, match="dynamic must be True or False"):
+        opfuse.optimize(loaded.model, loaded.args, dynamic="yes")
