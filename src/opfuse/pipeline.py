@@ -20,7 +20,7 @@ from .graph.dynamic import (DynamicSpec, auto_shapes, export_shapes, sample_inpu
                             spec_of, widen)
 from .graph.state import StateSnapshot, check_functional, copy_inputs, mutated_targets
 from .gemm import apply_gemm_choices
-from .graph.meta import nbytes, tensor_values
+from .graph.meta import decided_at, nbytes, tensor_values
 from .patterns import LIBRARY, SPELLINGS, Pattern, find_matches
 from .report.data import FusionReport, RegionRecord
 from .report.graph import graph_summary
@@ -169,6 +169,15 @@ def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph
         t0 = now
 
     gm, spec = _capture(model, args, kwargs, dynamic);             lap("capture")
+    with decided_at(_symbol_sizes(spec, args, kwargs)):  # a dynamic plan: decided at the example's sizes
+        return _plan_captured(gm, spec, model, args, kwargs, lap, timings, theta=theta, device=device, verify=verify,
+                              strict=strict, rewrite_graph=rewrite_graph, patterns=patterns, name=name, gemm=gemm,
+                              decide=decide)
+
+
+def _plan_captured(gm, spec, model, args, kwargs, lap, timings, *, theta, device, verify, strict, rewrite_graph,
+                   patterns, name, gemm, decide) -> Plan:
+    """The passes after capture (see :func:`run`)."""
     canonicalize(gm);                                               lap("canonicalize")
     respelled = respell(gm, find_matches(gm.graph, SPELLINGS)[0]);  lap("respell")
     block = first_block(gm.graph)
@@ -224,6 +233,11 @@ def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph
     derived = frozenset(src for srcs in gm.meta.get("opfuse_derived", {}).values() for src in srcs)
     return Plan(gm, report, cands, writes=frozenset(mutated_targets(gm.graph)["buffers"]), derived=derived,
                 dynamic=spec)
+
+
+def _symbol_sizes(spec: DynamicSpec | None, args, kwargs) -> dict:
+    """{symbol name: size} of a dynamic capture's symbols in the example inputs."""
+    return {} if spec is None else _sizes_of(spec, args, kwargs)
 
 
 def _sizes_of(spec: DynamicSpec, args, kwargs) -> dict[str, int]:

@@ -187,3 +187,16 @@ def test_resize_keeps_values_and_bad_dynamic_arguments():
     loaded = load("bert-tiny", batch=2, seq=16)
     with pytest.raises(opfuse.OptimizeError, match="dynamic must be True or False"):
         opfuse.optimize(loaded.model, loaded.args, dynamic="yes")
+
+
+def test_decided_at_the_example_size_not_the_widened_capture():
+    """A batch of one is captured as two (export would fix a dim of 1), but the cost model
+    and the GEMM choices see the example's sizes: the same bytes and GEMM shapes as the
+    static plan."""
+    loaded = load("bert-tiny", batch=1, seq=16)
+    static = opfuse.optimize(loaded.model, loaded.args).report
+    dyn = opfuse.optimize(loaded.model, loaded.args, dynamic=True).report
+    assert [(r.pattern, r.bytes_unfused, r.bytes_fused) for r in dyn.regions] == \
+        [(r.pattern, r.bytes_unfused, r.bytes_fused) for r in static.regions]
+    assert [g["m"] for g in dyn.gemm] == [g["m"] for g in static.gemm] and dyn.gemm[0]["m"] == 16
+    assert dyn.dynamic["decided_at"] and set(dyn.dynamic["decided_at"].values()) == {1, 16}

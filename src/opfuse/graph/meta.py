@@ -9,6 +9,7 @@ expand, split, getitem...) move no bytes. FLOP counts follow the usual conventio
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 from torch import fx
@@ -44,11 +45,31 @@ def tensor_values(value) -> list[torch.Tensor]:
     return []
 
 
+#: {symbol name: size} a dynamic plan is decided at (the example inputs' sizes; the capture's
+#: own hints are those of its widened inputs), set by :func:`decided_at`.
+_SIZES: list[dict] = [{}]
+
+
+@contextmanager
+def decided_at(sizes: dict):
+    """Within the block, :func:`concrete` evaluates symbolic sizes at ``sizes`` ({symbol
+    name: int}) instead of the capture's hints."""
+    _SIZES.append(sizes)
+    try:
+        yield
+    finally:
+        _SIZES.pop()
+
+
 def concrete(x) -> int:
     """``x`` as a Python int: a symbolic size (``torch.SymInt`` of a dynamic capture) at
-    its example value (``optimization_hint``: no guard is added, so a cost decision never
-    specialises the graph)."""
+    the size the plan is decided at (:func:`decided_at`, else ``optimization_hint``); no
+    guard is added, so a cost decision never specialises the graph."""
     if isinstance(x, torch.SymInt):
+        expr = x.node.expr
+        sizes = _SIZES[-1]
+        if sizes and all(sym.name in sizes for sym in expr.free_symbols):
+            return int(expr.xreplace({sym: sizes[sym.name] for sym in expr.free_symbols}))
         from torch.fx.experimental.symbolic_shapes import optimization_hint
         return int(optimization_hint(x))
     return x
