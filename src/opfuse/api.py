@@ -109,6 +109,18 @@ def _share_folded(gm, others: list) -> None:
             gm.register_buffer(name, same)
 
 
+def _describe(args: tuple, kwargs: dict) -> str:
+    from .graph.meta import tensor_values
+    return ", ".join(f"{list(t.shape)}:{str(t.dtype).replace('torch.', '')}"
+                     for t in tensor_values(list(args) + list(kwargs.values())))
+
+
+def _plan_inputs(plan) -> str:
+    if plan.dynamic is not None:
+        return "dynamic " + ", ".join(plan.dynamic.describe())
+    return ", ".join(plan.report.inputs)
+
+
 class FusedModule(torch.nn.Module):
     """A model rewritten by opfuse. Calling it runs the fused graph built for the call's
     input signature (shapes, dtypes, devices); a new signature is optimized on first use
@@ -145,6 +157,8 @@ class FusedModule(torch.nn.Module):
     # -- guards: the model a plan was built from is still the model being called --------
     def _arm_guards(self) -> None:
         model = self._model[0]
+        if model is None:  # loaded (opfuse.load): no model whose changes to guard
+            return
         self._registrations = _REGISTRATIONS[0]
         self._structure = _structure(model)
         self._slots = _weight_slots(model)
@@ -155,6 +169,8 @@ class FusedModule(torch.nn.Module):
     def _stale(self) -> str | None:
         """Why the plans no longer describe the model (None while they do)."""
         model = self._model[0]
+        if model is None:
+            return None
         if self._registrations != _REGISTRATIONS[0]:
             self._registrations = _REGISTRATIONS[0]
             if _structure(model) != self._structure:
@@ -225,6 +241,12 @@ class FusedModule(torch.nn.Module):
         (:func:`opfuse.partial.plan_in_pieces`), with the reason in ``report.capture``. A
         ``dynamic`` capture that torch.export refuses falls back to a static plan of these
         shapes, with the reason in ``report.dynamic["refused"]`` (raised under ``strict``)."""
+        if self._model[0] is None:
+            from .persist import LoadError
+            raise LoadError("opfuse: this module was loaded (opfuse.load) and has no plan for inputs "
+                            f"{_describe(args, kwargs)}: saved plans cover "
+                            + "; ".join(_plan_inputs(p) for p in self._plans.values())
+                            + " — optimize the model for these inputs and save again")
         options = {k: v for k, v in self._options.items() if k not in ("capture", "dynamic")}
         if dynamic is not None and dynamic is not False:
             try:
@@ -248,6 +270,10 @@ class FusedModule(torch.nn.Module):
     def generation(self):
         """:class:`opfuse.generate.Generation` of this module (its prefill/decode plans,
         static-cache pool and the latest call's step timings); created on first use."""
+        if self._model[0] is None:
+            from .persist import LoadError
+            raise LoadError("opfuse: a loaded module (opfuse.load) holds forward plans only; generate needs "
+                            "opfuse.optimize of the model")
         if getattr(self, "_generation", None) is None:
             from .generate import Generation
             self._generation = Generation(self._model[0], self._options)

@@ -132,13 +132,19 @@ class DynamicSpec:
                 f"[{self.range_of(s)[0]}, {self.range_of(s)[1]}]" for i, d, s in self.dims]
 
     def out_of_range(self, args: tuple, kwargs: dict) -> str | None:
-        """Why a call's sizes are outside the ranges (None when inside)."""
+        """Why a call's sizes are outside the ranges, or differ between dims of one symbol
+        (the sequence of ``input_ids`` and ``attention_mask``); None when inside."""
+        seen: dict[str, tuple] = {}
         for i, d, s in self.dims:
             v = args[i] if isinstance(i, int) else kwargs.get(i)
             lo, hi = self.range_of(s)
             n = v.shape[d]
+            where = f"arg{i}" if isinstance(i, int) else i
+            if s in seen and seen[s][0] != n:
+                return (f"{where} dim {d} is {n} but {seen[s][1]} is {seen[s][0]}: the plan has one size {s} "
+                        "for both")
+            seen.setdefault(s, (n, f"{where} dim {d}"))
             if not lo <= n <= hi:
-                where = f"arg{i}" if isinstance(i, int) else i
                 return f"{where} dim {d} is {n}, outside the dynamic range [{lo}, {hi}] of {s}"
         return None
 
