@@ -88,12 +88,68 @@ def cmd_optimize(ns, console: Console, explain_only: bool = False) -> int:
         if explain_only:
             report = opfuse.explain(loaded.model, loaded.args, theta=ns.theta, name=ns.model)
         else:
-            report = opfuse.optimize(loaded.model, loaded.args, theta=ns.theta, name=ns.model).report
+            fused = opfuse.optimize(loaded.model, loaded.args, theta=ns.theta, name=ns.model,
+                                    dynamic=bool(getattr(ns, "dynamic", False)))
+            report = fused.report
     print_report(report, console, limit=None if ns.all else 40)
+    if not explain_only and getattr(ns, "save", None):
+        opfuse.save(fused, ns.save)
+        console.print(f"saved the plan to {ns.save} (opfuse load {ns.save} runs it without the model)")
     if ns.json:
         report.to_json(ns.json)
         console.print(f"wrote {ns.json}")
     _write_html(report, ns.report, console)
+    return 0
+
+
+def _inputs_of(report, batch: int, seq: int) -> tuple:
+    """Inputs like the saved plan's (``report.inputs``: ``arg0:[2, 16]:int64``) at ``batch``
+    × ``seq`` where the plan is dynamic (else its own shapes): token ids 0..99 for the
+    first integer input, ones (an all-valid mask) for the others, normal floats."""
+    import ast
+
+    import torch
+    out = []
+    dynamic = bool(report.dynamic.get("dims"))
+    for i, spec in enumerate(report.inputs):
+        _name, shape, dtype = spec.rsplit(":", 2)
+        shape = ast.literal_eval(shape)
+        if dynamic and len(shape) >= 2:
+            shape[0] = batch
+            if dtype.startswith(("int", "bool")) or len(shape) == 3:
+                shape[1] = seq
+        dt = getattr(torch, dtype)
+        if dt.is_floating_point:
+            out.append(torch.randn(shape, dtype=dt))
+        else:
+            out.append(torch.randint(0, 100, shape, dtype=dt) if i == 0 else torch.ones(shape, dtype=dt))
+    return tuple(out)
+
+
+def cmd_load(ns, console: Console) -> int:
+    """``opfuse load DIR``: load a saved plan (no model), print its report, the load time and
+    the median of ``--repeat`` forwards at ``--batch`` × ``--seq``."""
+    import time
+
+    import torch
+
+    import opfuse
+    from opfuse.report.text import dynamic_line, print_report
+    t0 = time.perf_counter()
+    fused = opfuse.load(ns.dir)
+    load_s = time.perf_counter() - t0
+    print_report(fused.report, console, limit=None if ns.all else 40)
+    args = _inputs_of(fused.report, ns.batch, ns.seq)
+    times = []
+    with torch.no_grad():
+        for _ in range(ns.repeat + 1):
+            t = time.perf_counter()
+            fused(*args)
+            times.append(time.perf_counter() - t)
+    times = sorted(times[1:])
+    console.print(f"loaded {ns.dir} in {load_s * 1e3:.0f} ms; {dynamic_line(fused.report) or 'static plan'}; "
+                  f"forward on {', '.join(str(list(a.shape)) for a in args)}: median "
+                  f"{times[len(times) // 2] * 1e3:.2f} ms over {ns.repeat}")
     return 0
 
 
@@ -197,6 +253,16 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--json", help="also write report.to_dict() to this file")
         p.add_argument("--report", metavar="PATH", help="also write the HTML report (graph, table, plots)")
         p.add_argument("--all", action="store_true", help="list every region")
+        if name == "optimize":
+            p.add_argument("--dynamic", action="store_true",
+                           help="one plan for every batch and sequence length (opfuse.optimize(dynamic=True))")
+            p.add_argument("--save", metavar="DIR", help="save the plan to DIR (opfuse.save); run it with opfuse load")
+    ld = sub.add_parser("load", help="load a plan saved by opfuse optimize --save DIR, print its report and time it")
+    ld.add_argument("dir")
+    ld.add_argument("--batch", type=int, default=1, help="batch of the timed forward (dynamic plans)")
+    ld.add_argument("--seq", type=int, default=128, help="sequence length of the timed forward (dynamic plans)")
+    ld.add_argument("--repeat", type=int, default=10)
+    ld.add_argument("--all", action="store_true", help="list every region")
     b = sub.add_parser("bench", help="latency of opfuse vs eager, torch.compile and ONNX Runtime on MODEL")
     b.add_argument("model", help="minilm, bert-base, gpt2, llama (or any name opfuse.models.load knows)")
     b.add_argument("--against", default="eager,inductor,ort,openvino",
@@ -227,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     from opfuse.api import OptimizeError
     from opfuse.graph.capture import CaptureError
     from opfuse.models import ModelNotFound
+    from opfuse.persist import LoadError, SaveError
     try:
         if ns.cmd == "demo":
             return cmd_demo(ns, console)
@@ -234,8 +301,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_optimize(ns, console, explain_only=ns.cmd == "explain")
         if ns.cmd == "bench":
             return cmd_bench(ns, console)
+        if ns.cmd == "load":
+            return cmd_load(ns, console)
         return cmd_patterns(ns, console)
-    except (ModelNotFound, OptimizeError, CaptureError, FileNotFoundError) as exc:
+    except (ModelNotFound, OptimizeError, CaptureError, FileNotFoundError, LoadError, SaveError) as exc:
         print(f"opfuse: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # anything else (a broken config.json, ...): one line, no traceback

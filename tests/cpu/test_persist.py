@@ -237,3 +237,15 @@ def test_tied_weights_stored_once(tmp_path):
     back = opfuse.load(root)
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_cli_optimize_save_and_load(tmp_path, capsys):
+    from opfuse.cli import main
+    out = tmp_path / "cli"
+    assert main(["optimize", "bert-tiny", "--batch", "2", "--seq", "16", "--dynamic", "--save", str(out)]) == 0
+    assert (out / "manifest.json").is_file()
+    assert main(["load", str(out), "--batch", "3", "--seq", "21", "--repeat", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "saved the plan to" in text and "forward on [3, 21], [3, 21]" in text and "one plan for" in text
+    assert main(["load", str(tmp_path / "missing")]) == 2
+    assert "no manifest.json" in capsys.readouterr().err
