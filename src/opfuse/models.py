@@ -30,6 +30,35 @@ SENTENCES = [
     "Compilers recognise recurring patterns and replace them with hand-tuned kernels.",
 ]
 
+#: Installed packages whose long descriptions (PyPI READMEs) give real English sentences.
+_TEXT_PACKAGES = ("transformers", "sentence-transformers", "torch", "huggingface-hub", "tokenizers", "rich",
+                  "sympy", "numpy", "scikit-learn", "openvino")
+
+
+def package_sentences(limit: int | None = None) -> list[str]:
+    """Real English sentences of varying lengths, offline: the long descriptions (READMEs)
+    of installed packages (``importlib.metadata``), markup stripped, split at sentence ends;
+    kept when 4–80 words and mostly letters. Deterministic for a set of installed versions.
+    Returns at most ``limit`` sentences (all when None)."""
+    import importlib.metadata as md
+    import re
+    out: list[str] = []
+    for name in _TEXT_PACKAGES:
+        try:
+            text = md.metadata(name).get_payload() or ""
+        except md.PackageNotFoundError:
+            continue
+        text = re.sub(r"```.*?```", " ", text, flags=re.S)
+        text = re.sub(r"https?://\S+|<[^>]*>|[#*`|\[\]()_=>~^]", " ", text)
+        for sent in re.split(r"(?<=[.!?])\s+", re.sub(r"\s+", " ", text)):
+            sent = sent.strip()
+            words = sent.split()
+            letters = sum(c.isalpha() for c in sent)
+            if 4 <= len(words) <= 80 and letters >= 0.7 * len(sent) and sent not in out:
+                out.append(sent)
+    return out[:limit] if limit else out
+
+
 MODEL_NAMES = ("minilm", "bert-base", "bert-tiny", "gpt2", "gpt2-tiny", "llama", "llama-tiny", "vit", "vit-tiny")
 
 

@@ -80,10 +80,11 @@ def export_shapes(model: torch.nn.Module, shapes):
     if not (isinstance(shapes, tuple) and len(shapes) == 2 and isinstance(shapes[1], dict)):
         return shapes
     pos, kw = shapes
-    names = list(inspect.signature(model.forward).parameters)
-    out = dict(zip(names, pos))
-    out.update(kw)
-    return out
+    sig = inspect.signature(model.forward)
+    bound = sig.bind(*pos, **kw).arguments  # keyword extras land under the forward's **kwargs name
+    varkw = {p.name for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD}
+    varpos = {p.name for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_POSITIONAL}
+    return {name: (dict(v) if name in varkw else list(v) if name in varpos else v) for name, v in bound.items()}
 
 
 def widen(args: tuple, kwargs: dict, shapes) -> tuple[tuple, dict]:
