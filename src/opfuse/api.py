@@ -197,12 +197,10 @@ class FusedModule(torch.nn.Module):
                     self._aliases.pop(next(iter(self._aliases)))
                 self._aliases[key] = plan
                 return plan
-            message = f"opfuse: {outside}: planning this shape statically (one re-plan)"
             if self._options.get("strict"):
                 from .graph.dynamic import DynamicShapeError
-                raise DynamicShapeError(message.replace(": planning this shape statically (one re-plan)",
-                                                        " (strict=True: no re-plan)"))
-            warnings.warn(message, stacklevel=4)
+                raise DynamicShapeError(f"opfuse: {outside} (strict=True: no re-plan)")
+            warnings.warn(f"opfuse: {outside}: planning this shape statically (one re-plan)", stacklevel=4)
             self.replans.append(outside)
             return self._add_plan(key, self._plan(args, kwargs, dynamic=None))
         return None
@@ -247,10 +245,10 @@ class FusedModule(torch.nn.Module):
                             f"{_describe(args, kwargs)}: saved plans cover "
                             + "; ".join(_plan_inputs(p) for p in self._plans.values())
                             + " — optimize the model for these inputs and save again")
-        options = {k: v for k, v in self._options.items() if k not in ("capture", "dynamic")}
+        options = {k: v for k, v in self._options.items() if k not in ("capture", "dynamic", "plan_cache")}
         if dynamic is not None and dynamic is not False:
             try:
-                return pipeline.run(self._model[0], args, kwargs, dynamic=dynamic, **options)
+                return self._run(args, kwargs, dynamic, options)
             except CaptureError as exc:
                 if options.get("strict") or isinstance(exc, PythonStateError):
                     raise
@@ -258,13 +256,50 @@ class FusedModule(torch.nn.Module):
                 plan.report.dynamic = {"refused": f"dynamic capture failed, static plan of these shapes: {exc}"}
                 return plan
         try:
-            return pipeline.run(self._model[0], args, kwargs, **options)
+            return self._run(args, kwargs, None, options)
         except CaptureError as exc:
             if self._options.get("capture", "auto") != "auto" or options.get("strict") \
                     or isinstance(exc, PythonStateError):
                 raise
             from .partial import plan_in_pieces
             return plan_in_pieces(self._model[0], args, kwargs, str(exc), options)
+
+    def _run(self, args: tuple, kwargs: dict, dynamic, options: dict):
+        """:func:`opfuse.pipeline.run`, or with ``plan_cache`` the stored plan of the same
+        job (:func:`opfuse.persist.plan_key`: code, config, every weight's bytes, inputs,
+        options, machine) — no capture, matching or verification — and a new plan stored
+        there. ``report.capture["plan_cache"]`` says which happened."""
+        model = self._model[0]
+        options = {k: v for k, v in options.items() if k != "plan_cache"}
+        cache = self._options.get("plan_cache")
+        if not cache:
+            return pipeline.run(model, args, kwargs, dynamic=dynamic, **options)
+        from pathlib import Path
+
+        from .persist import LoadError, SaveError, default_cache_dir, plan_key, read_plans, write_plans
+        root = default_cache_dir() if cache is True else Path(cache)
+        try:
+            where = root / plan_key(model, args, kwargs, dict(options, dynamic=dynamic))
+        except SaveError as exc:
+            plan = pipeline.run(model, args, kwargs, dynamic=dynamic, **options)
+            plan.report.capture = dict(plan.report.capture, plan_cache=f"not cached: {exc}")
+            return plan
+        note = ""
+        if (where / "manifest.json").is_file():
+            try:
+                (_, plan), = read_plans(where, model, warn_cpu=False)
+                capture = {k: v for k, v in plan.report.capture.items() if k not in ("loaded_from", "plan_cache")}
+                plan.report.capture = dict(capture, plan_cache=f"reused {where} (no capture, matching or verification)")
+                return plan
+            except (LoadError, ValueError) as exc:
+                note = f"the stored plan was unusable ({exc}); "
+        plan = pipeline.run(model, args, kwargs, dynamic=dynamic, **options)
+        try:
+            write_plans([(input_signature(args, kwargs), plan)], where)
+            plan.report.capture = dict(plan.report.capture, plan_cache=f"{note}planned and stored in {where}")
+        except SaveError as exc:
+            plan.report.capture = dict(plan.report.capture, plan_cache=f"{note}planned, not stored: {exc}")
+        return plan
 
     @property
     def generation(self):
@@ -304,7 +339,8 @@ class FusedModule(torch.nn.Module):
 def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, device=None,
              verify: bool = True, strict: bool = False, example_kwargs: dict | None = None,
              name: str | None = None, gemm: str | None = None, capture: str = "auto",
-             decide: str | None = None, dynamic: bool = False, dynamic_shapes=None) -> FusedModule:
+             decide: str | None = None, dynamic: bool = False, dynamic_shapes=None,
+             plan_cache=False) -> FusedModule:
     """Capture, match, cost, select, verify and rewrite ``model``.
 
     Args:
@@ -335,6 +371,11 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
             outside it one static re-plan with a warning (``DynamicShapeError`` under
             ``strict``). ``report.dynamic`` shows the ranges and verified sizes.
         dynamic_shapes: torch.export's own ``dynamic_shapes`` (implies ``dynamic``).
+        plan_cache: ``True`` (directory ``OPFUSE_PLAN_CACHE`` or ``~/.cache/opfuse/plans``) or
+            a directory: a plan made before for the same model code, config, weights (every
+            byte hashed), input signature, options and machine is loaded instead of planned
+            (no capture, matching, verification or timing); new plans are stored there.
+            ``report.capture["plan_cache"]`` says which. Default off.
     Returns:
         :class:`FusedModule` whose outputs equal ``model(*inputs)`` within the dtype tolerance
         (:data:`opfuse.verify.TOLERANCE`); ``.report`` is the :class:`FusionReport`.
@@ -363,7 +404,8 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
     elif dynamic not in (True, False):
         raise OptimizeError(f"opfuse: dynamic must be True or False (or pass dynamic_shapes=), got {dynamic!r}")
     fused = FusedModule(model, dict(theta=theta, device=device, verify=verify, strict=strict, name=name, gemm=gemm,
-                                    capture=capture, decide=decide, dynamic=dynamic or None))
+                                    capture=capture, decide=decide, dynamic=dynamic or None,
+                                    plan_cache=plan_cache or None))
     fused.plan_for(tuple(example_inputs), kwargs)
     return fused
 

@@ -278,7 +278,8 @@ def _root(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
 
 
 def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    with open(path, "rb") as fh:  # streamed: no second copy of the weights in memory
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def _torch_release() -> str:
@@ -301,14 +302,20 @@ def save(fused, path) -> Path:
         the directory. Raises:
         SaveError: nothing planned yet, a plan captured in dynamo's pieces, or a graph
             holding something that is not plain data (names it)."""
+    plans = list(fused._plans.items())
+    if not plans:
+        raise SaveError("opfuse.save: the module has no plan yet (call optimize with example inputs)")
+    return write_plans(plans, path)
+
+
+def write_plans(plans: list, path) -> Path:
+    """Write ``plans`` ((input signature, :class:`~opfuse.pipeline.Plan`) pairs) to the
+    directory ``path`` (the format of :func:`save`). Raises SaveError (see :func:`save`)."""
     from dataclasses import asdict
 
     from safetensors.torch import save_file
 
     from .cost.device import cpu_model
-    plans = list(fused._plans.items())
-    if not plans:
-        raise SaveError("opfuse.save: the module has no plan yet (call optimize with example inputs)")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     entries, schemas = [], {}
@@ -340,7 +347,7 @@ def save(fused, path) -> Path:
                         "dynamic_key": None if plan.dynamic_key is None else _encode(plan.dynamic_key),
                         "dynamic": None if spec is None else {"dims": [list(d) for d in spec.dims],
                                                               "ranges": [list(r) for r in spec.ranges]},
-                        "writes": sorted(plan.writes)})
+                        "writes": sorted(plan.writes), "derived": sorted(plan.derived)})
     manifest = {"format": FORMAT, "opfuse": __version__, "torch": torch.__version__, "cpu": cpu_model(),
                 "schemas": schemas, "plans": entries}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
@@ -377,10 +384,35 @@ def load(path):
         LoadError: see the module docstring (missing or edited files, versions, ops,
             schemas); calling the result with an input signature no saved plan covers
             raises it too."""
+    from .api import FusedModule
+    fused = FusedModule(None, {"strict": True})
+    for key, plan in read_plans(path):
+        fused._add_plan(key, plan)
+    return fused
+
+
+def _shared(tensors: dict, model: torch.nn.Module | None) -> dict:
+    """``tensors`` with every entry that names a parameter or buffer of ``model`` (same
+    shape and dtype) replaced by the model's own tensor: a plan from the plan cache, whose
+    key includes a hash of every weight, then holds no second copy of the weights."""
+    if model is None:
+        return tensors
+    own = dict(model.named_parameters(remove_duplicate=False))
+    own.update(dict(model.named_buffers(remove_duplicate=False)))
+    out = {}
+    for target, t in tensors.items():
+        mine = own.get(target)
+        out[target] = mine.detach() if mine is not None and mine.shape == t.shape and mine.dtype == t.dtype else t
+    return out
+
+
+def read_plans(path, model: torch.nn.Module | None = None, warn_cpu: bool = True) -> list:
+    """The (input signature, :class:`~opfuse.pipeline.Plan`) pairs of a directory written by
+    :func:`save` / :func:`write_plans`; with ``model``, tensors that are its parameters or
+    buffers are shared with it (:func:`_shared`). Raises LoadError (see :func:`load`)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from .api import FusedModule
     from .cost.device import cpu_model
     from .graph.dynamic import DynamicSpec
     from .kernels import ops as _ops  # noqa: F401  (registers torch.ops.opfuse.*)
@@ -393,11 +425,11 @@ def load(path):
         op = _resolve(name)
         if str(op._schema) != schema:
             raise LoadError(f"opfuse.load: op {name} has schema {op._schema} here but {schema} in {root}")
-    if manifest.get("cpu") != cpu_model():
+    if warn_cpu and manifest.get("cpu") != cpu_model():
         warnings.warn(f"opfuse.load: {root} was planned on {manifest.get('cpu')!r}, this is {cpu_model()!r}: its "
                       "GEMM backends were measured there (results stay correct; re-optimize for this CPU's "
                       "fastest)", stacklevel=2)
-    fused = FusedModule(None, {"strict": True})
+    plans = []
     for entry in manifest["plans"]:
         files = entry["files"]
         for kind, fname in files.items():
@@ -420,7 +452,7 @@ def load(path):
             report_data = json.loads((root / files["report"]).read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise LoadError(f"opfuse.load: a plan file of {root} is not valid JSON: {exc}") from None
-        gm = data_to_graph(data, _root(tensors))
+        gm = data_to_graph(data, _root(_shared(tensors, model)))
         bind_op_builtins(gm)
         report_data["regions"] = [RegionRecord(**r) for r in report_data.get("regions", [])]
         report = FusionReport(**report_data)
@@ -428,8 +460,63 @@ def load(path):
         dyn = entry.get("dynamic")
         spec = None if dyn is None else DynamicSpec(tuple((i, d, s) for i, d, s in dyn["dims"]),
                                                      tuple((s, lo, hi) for s, lo, hi in dyn["ranges"]))
-        plan = Plan(gm, report, [], writes=frozenset(entry.get("writes", [])), dynamic=spec)
+        plan = Plan(gm, report, [], writes=frozenset(entry.get("writes", [])),
+                    derived=frozenset(entry.get("derived", [])), dynamic=spec)
         if spec is not None:
             plan.dynamic_key = _decode(entry["dynamic_key"], {})
-        fused._add_plan(_decode(entry["signature"], {}), plan)
-    return fused
+        plans.append((_decode(entry["signature"], {}), plan))
+    return plans
+
+
+# -- plan cache -----------------------------------------------------------------------------
+
+def default_cache_dir() -> Path:
+    """``OPFUSE_PLAN_CACHE`` or ``~/.cache/opfuse/plans``."""
+    import os
+    return Path(os.environ.get("OPFUSE_PLAN_CACHE") or Path.home() / ".cache" / "opfuse" / "plans")
+
+
+def plan_key(model: torch.nn.Module, args: tuple, kwargs: dict, options: dict) -> str:
+    """SHA-256 (hex) identifying one planning job: opfuse, torch and transformers versions,
+    the CPU and thread count (GEMM backends and timings are measured per machine), the
+    model's classes and their source code, its config, the bytes of every parameter and
+    buffer (all of them: a changed weight is a new key, never a stale plan), the input
+    signature (shapes, dtypes; the values of non-tensor inputs), the optimize options and
+    the decision environment (``OPFUSE_DECIDE``, ``OPFUSE_GEMM``, ``OPFUSE_MEASURE_DEVICE``).
+
+    Raises:
+        SaveError: a weight that is not a dense CPU-readable tensor (then no cache)."""
+    import inspect
+    import os
+
+    from .cost.device import cpu_model
+    from .graph.meta import input_signature
+    h = hashlib.sha256()
+
+    def add(x) -> None:
+        h.update(str(x).encode())
+        h.update(b"\0")
+    add(FORMAT), add(__version__), add(torch.__version__), add(cpu_model()), add(torch.get_num_threads())
+    try:
+        import transformers
+        add(transformers.__version__)
+    except ImportError:
+        add("no transformers")
+    for cls in sorted({type(m) for m in model.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}"):
+        add(f"{cls.__module__}.{cls.__qualname__}")
+        try:
+            add(inspect.getsource(cls))
+        except (OSError, TypeError):
+            add("no source")
+    config = getattr(model, "config", None)
+    add(config.to_json_string() if hasattr(config, "to_json_string") else repr(config))
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        if t.layout != torch.strided or t.is_meta:
+            raise SaveError(f"opfuse: weight {name} is a {t.layout} tensor: no plan cache")
+        add(name), add(tuple(t.shape)), add(t.dtype), add(t.device)
+        h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+                 if t.numel() else b"")
+    add(input_signature(args, kwargs))
+    add(sorted((k, repr(v)) for k, v in options.items() if k != "plan_cache"))
+    add([os.environ.get(v) for v in ("OPFUSE_DECIDE", "OPFUSE_GEMM", "OPFUSE_MEASURE_DEVICE")])
+    return h.hexdigest()

@@ -15,7 +15,7 @@ from .cost.model import fused_cost, graph_cost, is_view, node_cost, unfused_cost
 from .cost.select import Candidate, estimate, select
 from .graph.blocks import first_block, op_sequence
 from .graph.canonicalize import canonicalize
-from .graph.capture import capture, check_python_state
+from .graph.capture import CaptureError, capture, check_python_state
 from .graph.dynamic import (DynamicSpec, auto_shapes, export_shapes, sample_inputs, shape_env_of, size_assumptions,
                             spec_of, widen)
 from .graph.state import StateSnapshot, check_functional, copy_inputs, mutated_targets
@@ -28,6 +28,11 @@ from .rewrite import bind_op_builtins, inplace_cache_writes, respell, rewrite
 from .timegate import check_mode as check_decide
 from .timegate import decide_by_time
 from .verify import model_error, record_values, verify_regions
+
+
+class DynamicCaptureError(CaptureError):
+    """The dynamic capture does not equal the eager model over its range (see
+    :func:`check_capture_at`); ``optimize(dynamic=True)`` then plans statically."""
 
 
 @dataclass
@@ -192,6 +197,7 @@ def _plan_captured(gm, spec, model, args, kwargs, lap, timings, *, theta, device
     if rewrite_graph and decide == "time":
         decide_by_time(cands, env, theta);                          lap("time")
     samples = sample_inputs(spec, args, kwargs) if spec is not None else []
+    check_capture_at(model, gm, samples)
     if verify and rewrite_graph:
         verify_regions(gm, cands, args, kwargs, strict=strict, env=env)
         for _sizes, a, k in samples:  # a dynamic plan: the range's other sizes too
@@ -238,6 +244,27 @@ def _plan_captured(gm, spec, model, args, kwargs, lap, timings, *, theta, device
 def _symbol_sizes(spec: DynamicSpec | None, args, kwargs) -> dict:
     """{symbol name: size} of a dynamic capture's symbols in the example inputs."""
     return {} if spec is None else _sizes_of(spec, args, kwargs)
+
+
+def check_capture_at(model, gm: fx.GraphModule, samples: list) -> None:
+    """A dynamic capture (before any rewrite) must equal the eager model at the range's
+    other sizes: torch.export traces at one size, and a program it specialised there (a
+    branch on a size, a broadcast it took for a batch) is wrong elsewhere — then no dynamic
+    plan. Bound: 10x the dtype tolerance of :func:`opfuse.verify.compare`'s scaled error.
+
+    Raises:
+        DynamicCaptureError: naming the size and the error (the caller plans statically)."""
+    from .verify import tolerance
+    for sizes, a, k in samples:
+        try:
+            err = model_error(model, gm, a, k)
+        except Exception as exc:  # the captured program does not run at this size
+            raise DynamicCaptureError(f"opfuse: the dynamic capture fails at sizes {sizes}: "
+                                      f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+        bound = 10 * tolerance(torch.float32)
+        if not err <= bound:
+            raise DynamicCaptureError(f"opfuse: the dynamic capture differs from the eager model at sizes {sizes} "
+                                      f"(error {err:.3g} > {bound:g}): torch.export specialised it at the example size")
 
 
 def _sizes_of(spec: DynamicSpec, args, kwargs) -> dict[str, int]:

@@ -200,3 +200,23 @@ def test_decided_at_the_example_size_not_the_widened_capture():
         [(r.pattern, r.bytes_unfused, r.bytes_fused) for r in static.regions]
     assert [g["m"] for g in dyn.gemm] == [g["m"] for g in static.gemm] and dyn.gemm[0]["m"] == 16
     assert dyn.dynamic["decided_at"] and set(dyn.dynamic["decided_at"].values()) == {1, 16}
+
+
+def test_a_capture_wrong_at_another_size_is_not_dynamic(monkeypatch):
+    """The unfused dynamic capture is checked against eager at the range's other sizes
+    before anything fuses: a capture export specialised at the example size (simulated: the
+    check reports an error at one token) gives the static plan, with the reason."""
+    from opfuse.verify import model_error
+    real = model_error
+
+    def wrong_at_one_token(model, gm, args, kwargs):
+        if args[0].shape[1] == 1:
+            return 1.0
+        return real(model, gm, args, kwargs)
+    monkeypatch.setattr(pipeline, "model_error", wrong_at_one_token)
+    loaded = load("bert-tiny", batch=2, seq=16)
+    fused = opfuse.optimize(loaded.model, loaded.args, dynamic=True)
+    assert "differs from the eager model" in fused.report.dynamic["refused"]
+    assert fused.report.counts()  # the static plan still fuses
+    with pytest.raises(pipeline.DynamicCaptureError):
+        opfuse.optimize(loaded.model, loaded.args, dynamic=True, strict=True)

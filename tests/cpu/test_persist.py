@@ -249,3 +249,49 @@ def test_cli_optimize_save_and_load(tmp_path, capsys):
     assert "saved the plan to" in text and "forward on [3, 21], [3, 21]" in text and "one plan for" in text
     assert main(["load", str(tmp_path / "missing")]) == 2
     assert "no manifest.json" in capsys.readouterr().err
+
+
+def test_plan_cache_reuses_the_stored_plan(tmp_path, monkeypatch):
+    """The same model, weights, inputs and options optimize from the stored plan (no
+    pipeline run), share the model's weights, and equal eager; a changed weight or option
+    is a new key (planned again, never stale)."""
+    from opfuse import pipeline
+    loaded = load_model("bert-tiny", batch=2, seq=16)
+    first = opfuse.optimize(loaded.model, loaded.args, dynamic=True, plan_cache=tmp_path)
+    assert "planned and stored" in first.report.capture["plan_cache"]
+    runs = []
+    real = pipeline.run
+    monkeypatch.setattr(pipeline, "run", lambda *a, **k: runs.append(1) or real(*a, **k))
+    again = opfuse.optimize(loaded.model, loaded.args, dynamic=True, plan_cache=tmp_path)
+    assert runs == [] and "reused" in again.report.capture["plan_cache"]
+    assert again.report.counts() == first.report.counts()
+    gm = next(iter(again._plans.values())).gm
+    shared = [n for n, t in gm.named_buffers() if not n.startswith("opfuse_folded")
+              and t.data_ptr() == dict(loaded.model.named_parameters()).get(n, torch.empty(0)).data_ptr()]
+    assert shared  # the model's own weights, not copies from the file
+    args = _ids(3, 33)
+    with torch.no_grad():
+        torch.testing.assert_close(again(*args).last_hidden_state, loaded.model(*args).last_hidden_state,
+                                   atol=1e-4, rtol=1e-4)
+    opfuse.optimize(loaded.model, loaded.args, dynamic=True, theta=0.5, plan_cache=tmp_path)
+    assert runs == [1]  # another option: planned
+    with torch.no_grad():
+        loaded.model.encoder.layer[0].output.dense.weight[0, 0] += 1.0
+    changed = opfuse.optimize(loaded.model, loaded.args, dynamic=True, plan_cache=tmp_path)
+    assert runs == [1, 1] and "planned and stored" in changed.report.capture["plan_cache"]
+    with torch.no_grad():
+        torch.testing.assert_close(changed(*args).last_hidden_state, loaded.model(*args).last_hidden_state,
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_decoder_dynamic_round_trip(tmp_path):
+    loaded = load_model("llama-tiny", batch=2, seq=16)
+    fused = opfuse.optimize(loaded.model, loaded.args, dynamic=True)
+    back = opfuse.load(opfuse.save(fused, tmp_path / "llama"))
+    for batch, seq in [(1, 1), (3, 45)]:
+        ids = torch.randint(0, loaded.model.config.vocab_size, (batch, seq))
+        with torch.no_grad():
+            out, eager = back(ids).last_hidden_state, loaded.model(ids).last_hidden_state
+            assert torch.equal(out, fused(ids).last_hidden_state)
+        torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
+    assert back.report.counts().get("rope", 0) > 0 and len(back.reports) == 1
