@@ -179,23 +179,82 @@ def graph_to_data(gm: fx.GraphModule) -> dict:
     return {"nodes": nodes, "pytree": pytree}
 
 
+#: Classes a saved output spec may name inside a KV-cache context ("module:Class").
+_CACHE_PATH = re.compile(r"^transformers(\.\w+)+:\w+(Cache|Layer)$")
+#: Object kinds of transformers' cache contexts that rebuild data only (no constructor call).
+_CONTEXT_KINDS = {"tensor", "sym", "device", "dtype", "layout", "size", "items", "obj"}
+
+
+def _check_context(ctx, name: str) -> None:
+    if isinstance(ctx, list):
+        for c in ctx:
+            _check_context(c, name)
+    elif isinstance(ctx, dict):
+        kind = ctx.get("_t")
+        if kind is not None and kind not in _CONTEXT_KINDS:
+            raise LoadError(f"opfuse.load: the saved {name} rebuilds a {kind!r} object (only "
+                            f"{', '.join(sorted(_CONTEXT_KINDS))} are allowed)")
+        if kind is not None and "p" in ctx and not _CACHE_PATH.match(str(ctx["p"])):
+            raise LoadError(f"opfuse.load: the saved {name} names class {ctx['p']!r} (only transformers' "
+                            "*Cache / *Layer classes are allowed)")
+        for v in ctx.values():
+            _check_context(v, name)
+
+
+def _output_types(node, found: set) -> None:
+    """Collect the type names of a treespec JSON node (``treespec_dumps``' protocol 1) and
+    check every KV-cache context in it (:func:`_check_context`)."""
+    if not isinstance(node, dict):
+        raise LoadError("opfuse.load: malformed output spec")
+    name = node.get("type")
+    if name is not None:
+        found.add(name)
+        if ":" in name:
+            if not _CACHE_PATH.match(name):
+                raise LoadError(f"opfuse.load: output type {name!r} is not a transformers cache class")
+            try:
+                _check_context(json.loads(node.get("context") or "null"), name)
+            except json.JSONDecodeError as exc:
+                raise LoadError(f"opfuse.load: malformed context of {name}: {exc}") from None
+    for child in node.get("children_spec") or []:
+        _output_types(child, found)
+
+
 def _register_output_types(spec: str) -> None:
-    """Import the ``transformers`` modules whose ModelOutput types ``spec`` names (they
-    register themselves as pytree nodes); any other unregistered type is an error."""
+    """Check ``spec`` (an output / input treespec JSON) and import the ``transformers``
+    modules whose types it names: ModelOutput classes register themselves as pytree nodes
+    on import; KV-cache classes (``transformers.cache_utils:DynamicCache``) are registered
+    as the capture registered them (:func:`opfuse.graph.capture.register_cache_pytrees`).
+    Any other type, or a cache context naming another class or rebuilding anything but
+    data, is an error: loading constructs nothing the file names beyond those."""
     import importlib
 
     from torch.utils._pytree import SERIALIZED_TYPE_TO_PYTHON_TYPE
-    for name in set(re.findall(r'"type": "([\w.]+)"', spec)):
+    try:
+        parsed = json.loads(spec)
+    except json.JSONDecodeError as exc:
+        raise LoadError(f"opfuse.load: malformed output spec: {exc}") from None
+    if not (isinstance(parsed, list) and len(parsed) == 2):
+        raise LoadError("opfuse.load: malformed output spec")
+    names: set = set()
+    _output_types(parsed[1], names)
+    for name in sorted(names):
         if name in SERIALIZED_TYPE_TO_PYTHON_TYPE:
             continue
-        module = name.rsplit(".", 1)[0]
+        module, _, cls_name = name.rpartition(":") if ":" in name else name.rpartition(".")
         if not module.startswith("transformers.") or not all(_IDENT.match(p) for p in module.split(".")):
             raise LoadError(f"opfuse.load: output type {name!r} is not a registered pytree type "
-                            "(only transformers' ModelOutput types are imported)")
+                            "(only transformers' ModelOutput and cache types are imported)")
         try:
-            importlib.import_module(module)
+            cls = getattr(importlib.import_module(module), cls_name, None)
         except ImportError as exc:
             raise LoadError(f"opfuse.load: output type {name} needs {module}: {exc}") from None
+        if name not in SERIALIZED_TYPE_TO_PYTHON_TYPE and ":" in name and isinstance(cls, type):
+            try:
+                from transformers.exporters.exporter_dynamo import register_pytree_node
+                register_pytree_node(cls)
+            except ImportError:
+                pass
         if name not in SERIALIZED_TYPE_TO_PYTHON_TYPE:
             raise LoadError(f"opfuse.load: output type {name!r} is not a registered pytree type")
 

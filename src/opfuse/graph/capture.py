@@ -47,6 +47,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         CaptureError: when ``torch.export`` fails (unsupported Python control flow,
             data-dependent shapes...), with export's message.
     """
+    register_cache_pytrees(model)
     try:
         ep = torch.export.export(model, tuple(args), dict(kwargs or {}), strict=False,
                                  dynamic_shapes=dynamic_shapes)
@@ -56,6 +57,24 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     if any(is_mutating(n) for n in ep.graph.nodes):
         ep = ep.run_decompositions({})
     return ep.module()
+
+
+def register_cache_pytrees(model: torch.nn.Module) -> bool:
+    """Register Hugging Face's KV-cache classes (``DynamicCache``, ``StaticCache``...) as
+    pytree nodes, as ``transformers``' own exporter does
+    (``transformers.exporters.exporter_dynamo.register_cache_pytrees_for_model``), so
+    ``torch.export`` captures a decoder with its default ``use_cache=True`` whole: the
+    returned cache becomes its tensors and is rebuilt as the same class on the way out.
+    Idempotent; False (nothing registered: such models are captured in dynamo's pieces)
+    with a ``transformers`` that has no such helper or for a model that is not from it."""
+    if not type(model).__module__.startswith("transformers."):
+        return False
+    try:
+        from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
+    except ImportError:
+        return False
+    register_cache_pytrees_for_model(model)
+    return True
 
 
 def trace_function(fn: Any, example_args: tuple) -> fx.Graph:
