@@ -333,7 +333,29 @@ class FusedModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         plan = self.plan_for(args, kwargs)
         with torch.no_grad():
-            return plan.gm(*args, **kwargs)
+            if plan.dynamic is None:
+                return plan.gm(*args, **kwargs)
+            try:
+                return plan.gm(*args, **kwargs)
+            except AssertionError as exc:  # the capture's input guards run first: nothing ran yet
+                if not str(exc).startswith("Guard failed"):
+                    raise
+                return self._guarded(args, kwargs, exc)(*args, **kwargs)
+
+    def _guarded(self, args: tuple, kwargs: dict, exc: AssertionError):
+        """A call inside a dynamic plan's ranges that its capture's own guards exclude (a size
+        torch.export saw as a special case): the static plan of this signature, planned once
+        with a warning (:class:`~opfuse.graph.dynamic.DynamicShapeError` under ``strict`` or
+        for a loaded module)."""
+        from .graph.dynamic import DynamicShapeError
+        if self._options.get("strict") or self._model[0] is None:
+            raise DynamicShapeError(f"opfuse: the dynamic plan's capture excludes these inputs ({exc})") from None
+        warnings.warn(f"opfuse: the dynamic plan's capture excludes these inputs ({exc}): planning this shape "
+                      "statically (one re-plan)", stacklevel=3)
+        self.replans.append(str(exc))
+        key = input_signature(args, kwargs)
+        self._aliases.pop(key, None)
+        return self._add_plan(key, self._plan(args, kwargs, dynamic=None)).gm
 
 
 def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, device=None,

@@ -197,7 +197,7 @@ def _plan_captured(gm, spec, model, args, kwargs, lap, timings, *, theta, device
     if rewrite_graph and decide == "time":
         decide_by_time(cands, env, theta);                          lap("time")
     samples = sample_inputs(spec, args, kwargs) if spec is not None else []
-    check_capture_at(model, gm, samples)
+    samples, guarded = check_capture_at(model, gm, samples)
     if verify and rewrite_graph:
         verify_regions(gm, cands, args, kwargs, strict=strict, env=env)
         for _sizes, a, k in samples:  # a dynamic plan: the range's other sizes too
@@ -222,6 +222,8 @@ def _plan_captured(gm, spec, model, args, kwargs, lap, timings, *, theta, device
         report.dynamic = {"dims": spec.describe(), "decided_at": _sizes_of(spec, args, kwargs),
                           "verified_at": ([_sizes_of(spec, args, kwargs)] + [s for s, _, _ in samples])
                           if verify and rewrite_graph else []}
+        if guarded:
+            report.dynamic["guarded"] = guarded
     if verify and rewrite_graph:
         report.max_error = max([model_error(model, gm, args, kwargs)]
                                + [model_error(model, gm, a, k) for _s, a, k in samples]); lap("check model")
@@ -246,18 +248,29 @@ def _symbol_sizes(spec: DynamicSpec | None, args, kwargs) -> dict:
     return {} if spec is None else _sizes_of(spec, args, kwargs)
 
 
-def check_capture_at(model, gm: fx.GraphModule, samples: list) -> None:
+def check_capture_at(model, gm: fx.GraphModule, samples: list) -> tuple[list, list[str]]:
     """A dynamic capture (before any rewrite) must equal the eager model at the range's
     other sizes: torch.export traces at one size, and a program it specialised there (a
     branch on a size, a broadcast it took for a batch) is wrong elsewhere — then no dynamic
-    plan. Bound: 10x the dtype tolerance of :func:`opfuse.verify.compare`'s scaled error.
+    plan. Bound: 10x the dtype tolerance of :func:`opfuse.verify.compare`'s scaled error. A
+    size the capture's own input guards exclude ("Guard failed", e.g. Mistral's sequence
+    length next to its sliding window) is dropped from the samples: calls there re-plan
+    statically (:meth:`opfuse.FusedModule.forward`).
 
+    Returns:
+        (the samples the capture runs at, the guard messages of those it excludes).
     Raises:
         DynamicCaptureError: naming the size and the error (the caller plans statically)."""
     from .verify import tolerance
+    kept, guarded = [], []
     for sizes, a, k in samples:
         try:
             err = model_error(model, gm, a, k)
+        except AssertionError as exc:
+            if not str(exc).startswith("Guard failed"):
+                raise DynamicCaptureError(f"opfuse: the dynamic capture fails at sizes {sizes}: {exc}") from exc
+            guarded.append(f"{sizes}: {exc}")
+            continue
         except Exception as exc:  # the captured program does not run at this size
             raise DynamicCaptureError(f"opfuse: the dynamic capture fails at sizes {sizes}: "
                                       f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
@@ -265,6 +278,8 @@ def check_capture_at(model, gm: fx.GraphModule, samples: list) -> None:
         if not err <= bound:
             raise DynamicCaptureError(f"opfuse: the dynamic capture differs from the eager model at sizes {sizes} "
                                       f"(error {err:.3g} > {bound:g}): torch.export specialised it at the example size")
+        kept.append((sizes, a, k))
+    return kept, guarded
 
 
 def _sizes_of(spec: DynamicSpec, args, kwargs) -> dict[str, int]:

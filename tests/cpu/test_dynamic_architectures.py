@@ -1,8 +1,7 @@
 """Dynamic shapes across Hugging Face architectures (tiny configs, default settings, padding
 masks): one optimize(dynamic=True), then batch 1 × 1, 1 × 5 and 3 × 33 equal eager without
-a re-plan. Mistral's sliding-window mask makes torch.export guard the sequence length, so
-its dynamic capture fails at one token: it must fall back to a static plan, say why, and
-stay correct."""
+a re-plan. Mistral's sliding-window mask makes torch.export guard the sequence length: its
+range starts there, and shorter calls re-plan once with a warning."""
 
 import warnings
 
@@ -66,7 +65,26 @@ def test_one_dynamic_plan_per_architecture(name):
     assert fused.report.counts(), "something fuses in every one of these"
 
 
-def test_mistral_sliding_window_falls_back_static_and_says_why():
-    fused = _run("mistral")
-    assert "the dynamic capture fails at sizes" in fused.report.dynamic["refused"]
-    assert len(fused.reports) > 1  # static plans per shape, each correct
+def test_mistral_sliding_window_range_starts_where_export_guarded_it():
+    """Mistral's sliding-window mask makes torch.export guard the sequence length (here
+    ≥ 7 and ≠ 7 for a window of 8): the dynamic plan serves the rest, and calls its
+    capture's guards exclude re-plan once, statically, with a warning — every call equal
+    to eager."""
+    torch.manual_seed(0)
+    model = _build("mistral")
+    ids = torch.randint(1, 500, (2, 12))
+    fused = opfuse.optimize(model, (ids,), example_kwargs={"attention_mask": torch.ones(2, 12, dtype=torch.long)},
+                            dynamic=True)
+    assert any("input_ids dim 1" in d or "arg0 dim 1" in d for d in fused.report.dynamic["dims"])
+    assert fused.report.dynamic.get("guarded"), fused.report.dynamic  # the excluded sample is named
+    for batch, seq in [(1, 9), (3, 40), (2, 3), (1, 7)]:
+        x = torch.randint(1, 500, (batch, seq))
+        m = torch.ones(batch, seq, dtype=torch.long)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                torch.testing.assert_close(fused(x, attention_mask=m)[0], model(x, attention_mask=m)[0],
+                                           atol=1e-4, rtol=1e-4)
+        warned = [w for w in caught if "outside the dynamic range" in str(w.message) or "excludes" in str(w.message)]
+        assert bool(warned) == (seq <= 7), (seq, [str(w.message) for w in caught])
+    assert len(fused.reports) == 3 and len(fused.replans) == 2

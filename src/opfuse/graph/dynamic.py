@@ -190,17 +190,23 @@ def spec_of(gm: fx.GraphModule, args: tuple, kwargs: dict, auto: bool = True) ->
 
 def sample_inputs(spec: DynamicSpec, args: tuple, kwargs: dict) -> list[tuple[dict, tuple, dict]]:
     """Inputs at other sizes of the range for verification, each ({symbol: size}, args,
-    kwargs): every dynamic dim at its minimum (a batch of one, a one-token sequence), and
+    kwargs): every dynamic dim at its minimum (a batch of one, a one-token sequence; the
+    largest minimum of the symbols at that dim position, so an ids/mask pair stays equal), and
     an odd size between (example + 13, capped at the maximum: not a power of two, not the
     example's block multiple; the batch, dim 0, one more than the example's). Sizes equal to
     the example's are skipped."""
-    example = {}
+    example, position = {}, {}
     for i, d, s in spec.dims:
         v = args[i] if isinstance(i, int) else kwargs[i]
         example[s] = v.shape[d]
-    batch = {s for _i, d, s in spec.dims if d == 0}
-    choices = [{s: spec.range_of(s)[0] for s in example},
-               {s: min(spec.range_of(s)[1], n + (1 if s in batch else 13)) for s, n in example.items()}]
+        position.setdefault(s, d)
+    # Symbols at the same dim position (the batch of ids and of the mask; their sequence
+    # lengths) move together: export may keep them apart yet guard them equal at run time.
+    lo = {d: max(spec.range_of(s)[0] for s in position if position[s] == d) for d in set(position.values())}
+    hi = {d: min(spec.range_of(s)[1] for s in position if position[s] == d) for d in set(position.values())}
+    choices = [{s: lo[position[s]] for s in example},
+               {s: max(lo[position[s]], min(hi[position[s]], n + (1 if position[s] == 0 else 13)))
+                for s, n in example.items()}]
     out = []
     for sizes in choices:
         if sizes == example or any(k == sizes for k, _, _ in out):
