@@ -33,6 +33,33 @@ def test_falcon_multi_query_attention_fuses(attn):
         got = fused(ids, attention_mask=mask).last_hidden_state
         want = model(ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # Falcon's Linear is ``x @ self.weight.T``: respelled to aten.linear (4 per layer), so the
+    # GEMM patterns apply — the attention output projection + residual fuses
+    assert fused.report.respelled.get("linear/matmul_T") == 8, fused.report.respelled
+    assert counts.get("out_proj_residual") == 2, counts
+
+
+class _Matmuls(torch.nn.Module):
+    """x @ W.t() (a linear), v @ W.t() with a 1-D v, and x @ B.permute(0, 2, 1) with a
+    batched B (a bmm, not a linear)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 8))
+        self.b = torch.nn.Parameter(torch.randn(3, 16, 8))
+
+    def forward(self, x, v):
+        return torch.matmul(x, self.w.t()), torch.matmul(v, self.w.t()), torch.matmul(x, self.b.permute(0, 2, 1))
+
+
+def test_matmul_with_transposed_weight_is_linear_only_for_a_2d_weight_and_x():
+    model = _Matmuls().eval()
+    x, v = torch.randn(3, 4, 8), torch.randn(8)
+    fused = opfuse.optimize(model, (x, v))
+    assert fused.report.respelled == {"linear/matmul_t": 1}, fused.report.respelled  # not the 1-D v, not the bmm
+    with torch.no_grad():
+        for got, want in zip(fused(x, v), model(x, v)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_sdpa_with_non_broadcasting_kv_heads_is_refused():

@@ -8,6 +8,7 @@ the same function, only spelled differently; the GELU forms stay distinct.
   layer_norm     mean, subtract, pow(2).mean | var(unbiased=False), + eps, rsqrt | sqrt+div,
                  · γ + β                                          -> aten.layer_norm(x, [N], γ, β, eps)
                  (Ba, Kiros & Hinton 2016)
+  linear         x @ W.T | matmul(x, W.t()), W 2-D                -> aten.linear(x, W)   (Falcon's Linear)
 """
 
 from __future__ import annotations
@@ -57,8 +58,35 @@ def ln_var(x, g, b):
     return (x - u) / torch.sqrt(v + _EPS) * g + b
 
 
+def linear_matmul_permute(x, w):
+    return torch.matmul(x, w.permute(1, 0))  # ``x @ w.T`` as torch.export records it
+
+
+def linear_matmul_t(x, w):
+    return torch.matmul(x, w.t())
+
+
 def _x():
     return (torch.randn(2, 4, 8),)
+
+
+def _xw():
+    return torch.randn(2, 4, 8), torch.randn(6, 8)
+
+
+def _check_linear_t(match) -> str | None:
+    """``x @ W.T`` is ``linear(x, W)`` when W is 2-D and x has at least 2 dims (a 1-D x
+    is a vector-matrix product there too, but linear's shapes are kept to eager's common case)."""
+    w, x = shape(match.inputs["w"]), shape(match.inputs["x"])
+    if w is None or len(w) != 2:
+        return f"the transposed operand has shape {w}, not a 2-D weight"
+    if x is None or len(x) < 2:
+        return f"x has shape {x}: fewer than 2 dims"
+    return None
+
+
+def _build_linear(graph, inputs, literals, params):
+    return [graph.call_function(aten.linear.default, (inputs["x"], inputs["w"]))]
 
 
 def _xgb():
@@ -108,4 +136,6 @@ SPELLINGS: list[Pattern] = [
     Pattern("layer_norm", "sqrt_div", ln_sqrt_div, _xgb, _build_ln, _check_ln_params, literals=_LN_LITERALS),
     Pattern("layer_norm", "rsqrt", ln_rsqrt, _xgb, _build_ln, _check_ln_params, literals=_LN_LITERALS),
     Pattern("layer_norm", "var", ln_var, _xgb, _build_ln, _check_ln_params, literals=_LN_LITERALS),
+    Pattern("linear", "matmul_T", linear_matmul_permute, _xw, _build_linear, _check_linear_t),
+    Pattern("linear", "matmul_t", linear_matmul_t, _xw, _build_linear, _check_linear_t),
 ]
