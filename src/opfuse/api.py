@@ -270,10 +270,12 @@ class FusedModule(torch.nn.Module):
         options, machine) — no capture, matching or verification — and a new plan stored
         there. ``report.capture["plan_cache"]`` says which happened."""
         model = self._model[0]
-        options = {k: v for k, v in options.items() if k != "plan_cache"}
         cache = self._options.get("plan_cache")
-        if not cache:
+
+        def planned():
             return pipeline.run(model, args, kwargs, dynamic=dynamic, **options)
+        if not cache:
+            return planned()
         from pathlib import Path
 
         from .persist import LoadError, SaveError, default_cache_dir, plan_key, read_plans, write_plans
@@ -281,7 +283,7 @@ class FusedModule(torch.nn.Module):
         try:
             where = root / plan_key(model, args, kwargs, dict(options, dynamic=dynamic))
         except SaveError as exc:
-            plan = pipeline.run(model, args, kwargs, dynamic=dynamic, **options)
+            plan = planned()
             plan.report.capture = dict(plan.report.capture, plan_cache=f"not cached: {exc}")
             return plan
         note = ""
@@ -293,7 +295,7 @@ class FusedModule(torch.nn.Module):
                 return plan
             except (LoadError, ValueError) as exc:
                 note = f"the stored plan was unusable ({exc}); "
-        plan = pipeline.run(model, args, kwargs, dynamic=dynamic, **options)
+        plan = planned()
         try:
             write_plans([(input_signature(args, kwargs), plan)], where)
             plan.report.capture = dict(plan.report.capture, plan_cache=f"{note}planned and stored in {where}")

@@ -38,6 +38,8 @@ from collections import OrderedDict
 
 import torch
 
+from .graph.dynamic import position_limit
+
 #: Cache lengths are rounded up to a multiple of this (tokens), so that calls with nearby
 #: prompt / generation lengths share the decode plan.
 CACHE_BUCKET = 128
@@ -52,14 +54,6 @@ class GenerateError(ValueError):
 def _text_config(model):
     cfg = model.config
     return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-
-
-def _position_limit(cfg) -> int | None:
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
-        value = getattr(cfg, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 def _kv_shape(cfg) -> tuple[int, int]:
@@ -88,7 +82,7 @@ def wanted_length(model, input_ids: torch.Tensor, kwargs: dict) -> int:
     prompt = input_ids.shape[-1]
     new = kwargs.get("max_new_tokens", getattr(gc, "max_new_tokens", None))
     total = prompt + new if new is not None else kwargs.get("max_length", gc.max_length)
-    limit = _position_limit(_text_config(model))
+    limit = position_limit(_text_config(model))
     if limit is not None and total > limit:
         raise GenerateError(f"opfuse: generating up to {total} tokens (prompt {prompt} + {total - prompt} new) "
                             f"exceeds the model's {limit} positions (max_position_embeddings)")
@@ -207,7 +201,7 @@ class Generation:
             raise GenerateError("opfuse: fused generate runs greedy search and sampling; beam search "
                                 "(num_beams > 1) is not supported (call the original model's generate)")
         total = wanted_length(model, input_ids, kwargs)
-        limit = _position_limit(_text_config(model)) or total
+        limit = position_limit(_text_config(model)) or total
         length = min(limit, math.ceil(total / CACHE_BUCKET) * CACHE_BUCKET)
         rows = input_ids.shape[0] * (kwargs.get("num_return_sequences") or getattr(gc, "num_return_sequences", 1) or 1)
         user_cache = kwargs.pop("cache", None)

@@ -6,8 +6,8 @@ pattern library matches the symbolic graph as it matches a static one (the ops a
 same). What depends on a size is decided at the example size (cost, measured times, GEMM
 backend; :func:`opfuse.graph.meta.concrete`), and what must hold over the whole range is
 checked over it: a legality check that had to assume a size (a symbolic size turned into
-a Python bool or int that the range does not decide) is refused (:func:`size_assumptions`), and verification runs at several sizes of
-the range (:func:`sample_inputs`).
+a Python bool or int that the range does not decide) is refused (:func:`size_assumptions`),
+and verification runs at several sizes of the range (:func:`sample_inputs`).
 
 Which dims are dynamic (``dynamic=True``, :func:`auto_shapes`): of every tensor input with
 two or more dims, dim 0 is the batch; dim 1 is the sequence for integer or bool inputs
@@ -36,13 +36,12 @@ class DynamicShapeError(ValueError):
     ``dynamic_shapes`` argument torch.export cannot use; the message names the input and dim."""
 
 
-def position_limit(model: torch.nn.Module) -> int | None:
-    """The model's longest sequence (``max_position_embeddings``, ``n_positions``,
-    ``max_seq_len`` of its config), or None."""
-    config = getattr(model, "config", None)
+def position_limit(config) -> int | None:
+    """The longest sequence of a model ``config`` (``max_position_embeddings``,
+    ``n_positions`` or ``max_seq_len``), or None."""
     for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
         value = getattr(config, name, None)
-        if isinstance(value, int) and value > 1:
+        if isinstance(value, int) and value > 0:
             return value
     return None
 
@@ -65,7 +64,7 @@ def auto_shapes(model: torch.nn.Module, args: tuple, kwargs: dict):
         a tuple (one entry per positional argument) and a dict (per keyword argument) of
         ``{dim: Dim.AUTO(min, max)}`` or None, in torch.export's form."""
     from torch.export import Dim
-    limit = position_limit(model) or 1 << 20
+    limit = position_limit(getattr(model, "config", None)) or 1 << 20
     bounds = {"batch": (1, MAX_BATCH), "seq": (1, limit)}
 
     def one(v):
@@ -158,7 +157,6 @@ def spec_of(gm: fx.GraphModule, args: tuple, kwargs: dict, auto: bool = True) ->
     at 1, which :func:`sample_inputs` verifies; the user's own ranges are kept as export
     reports them."""
     from torch.utils._pytree import tree_flatten
-    from torch.utils._sympy.value_ranges import ValueRanges  # noqa: F401  (ranges' type)
     names = [*range(len(args)), *kwargs]
     flat = [*args, *kwargs.values()]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
