@@ -341,8 +341,9 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
-def _torch_release() -> str:
-    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
+def _release(version: str) -> str:
+    """``major.minor`` of a version string (``2.13.0+cpu`` -> ``2.13``)."""
+    return ".".join(str(version).split("+")[0].split(".")[:2])
 
 
 def _schemas(gm: fx.GraphModule) -> dict[str, str]:
@@ -427,7 +428,7 @@ def _read_manifest(root: Path) -> dict:
     if manifest.get("opfuse") != __version__:
         raise LoadError(f"opfuse.load: {root} was written by opfuse {manifest.get('opfuse')}, this is {__version__}: "
                         "re-optimize the model (the fused kernels may differ)")
-    if _torch_release() != ".".join(str(manifest.get("torch", "")).split("+")[0].split(".")[:2]):
+    if _release(torch.__version__) != _release(manifest.get("torch", "")):
         raise LoadError(f"opfuse.load: {root} was written with torch {manifest.get('torch')}, this is "
                         f"{torch.__version__}: re-optimize the model (ATen op semantics may differ)")
     return manifest

@@ -174,7 +174,7 @@ def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph
         t0 = now
 
     gm, spec = _capture(model, args, kwargs, dynamic);             lap("capture")
-    with decided_at(_symbol_sizes(spec, args, kwargs)):  # a dynamic plan: decided at the example's sizes
+    with decided_at(spec.sizes(args, kwargs) if spec is not None else {}):  # a dynamic plan: decided at the example's sizes
         return _plan_captured(gm, spec, model, args, kwargs, lap, timings, theta=theta, device=device, verify=verify,
                               strict=strict, rewrite_graph=rewrite_graph, patterns=patterns, name=name, gemm=gemm,
                               decide=decide)
@@ -219,8 +219,9 @@ def _plan_captured(gm, spec, model, args, kwargs, lap, timings, *, theta, device
         report.gemm = [asdict(g) for g in gemms]
         report.inplace_writes = in_place
     if spec is not None:
-        report.dynamic = {"dims": spec.describe(), "decided_at": _sizes_of(spec, args, kwargs),
-                          "verified_at": ([_sizes_of(spec, args, kwargs)] + [s for s, _, _ in samples])
+        decided = spec.sizes(args, kwargs)
+        report.dynamic = {"dims": spec.describe(), "decided_at": decided,
+                          "verified_at": ([decided] + [s for s, _, _ in samples])
                           if verify and rewrite_graph else []}
         if guarded:
             report.dynamic["guarded"] = guarded
@@ -241,11 +242,6 @@ def _plan_captured(gm, spec, model, args, kwargs, lap, timings, *, theta, device
     derived = frozenset(src for srcs in gm.meta.get("opfuse_derived", {}).values() for src in srcs)
     return Plan(gm, report, cands, writes=frozenset(mutated_targets(gm.graph)["buffers"]), derived=derived,
                 dynamic=spec)
-
-
-def _symbol_sizes(spec: DynamicSpec | None, args, kwargs) -> dict:
-    """{symbol name: size} of a dynamic capture's symbols in the example inputs."""
-    return {} if spec is None else _sizes_of(spec, args, kwargs)
 
 
 def check_capture_at(model, gm: fx.GraphModule, samples: list) -> tuple[list, list[str]]:
@@ -281,10 +277,6 @@ def check_capture_at(model, gm: fx.GraphModule, samples: list) -> tuple[list, li
         kept.append((sizes, a, k))
     return kept, guarded
 
-
-def _sizes_of(spec: DynamicSpec, args, kwargs) -> dict[str, int]:
-    """{symbol: size} of the dynamic dims in these inputs."""
-    return {s: (args[i] if isinstance(i, int) else kwargs[i]).shape[d] for i, d, s in spec.dims}
 
 
 def _device_of(args, kwargs) -> torch.device:

@@ -173,3 +173,18 @@ def test_bench_generate_structure(monkeypatch):
     assert result["floor"]["weight_bytes_per_step"] == 4 * (sum(p.numel() for p in model.parameters()) - emb)
     assert result["floor"]["decode_step_ms"] > 0 and rows["opfuse"]["decode_tok_s"] > 0
     assert "decode tok/s" in str([c.header for c in bg.generate_table(result).columns])
+
+
+def test_serving_benchmark_structure_and_values():
+    """bench_serving on bert-tiny: every system's output checked against eager's on every
+    request; one dynamic opfuse plan, no re-plan over random lengths."""
+    from opfuse.bench.serving import bench_serving, make_requests
+    from opfuse.models import load
+    reqs = make_requests(3, 2, 4, 40, vocab=1000, seed=1)
+    assert all(ids.shape == mask.shape and bool((ids[mask == 0] == 0).all()) for ids, mask in reqs)
+    loaded = load("bert-tiny", batch=2, seq=16)
+    result = bench_serving(loaded.model, n=4, batch=2, lo=4, hi=40, threads=1, against=("eager", "opfuse"),
+                           example_seq=16)
+    op = result["systems"]["opfuse"]
+    assert op["max_abs_err"] < 1e-4 and op["total_s"] > 0 and op["p50_s"] <= op["p99_s"]
+    assert result["opfuse"]["plans"] == 1 and result["opfuse"]["replans"] == []

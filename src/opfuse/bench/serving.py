@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .peers import FirstOutput, _one_line
+from .peers import FirstOutput, _one_line, _session
 
 
 @dataclass
@@ -34,6 +34,7 @@ class System:
     error: str = ""
     latencies: list = field(default_factory=list)
     max_err: float = 0.0
+    fused: object = None  # opfuse's FusedModule (plans, re-plans for the result)
 
 
 def make_requests(n: int, batch: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple]:
@@ -75,14 +76,12 @@ def _opfuse(model, example) -> System:
     def fn(ids, mask):
         with torch.no_grad():
             return fused(ids, mask)[0]
-    system = System("opfuse", fn, cold_s=cold)
-    system.fused = fused
-    return system
+    return System("opfuse", fn, cold_s=cold, fused=fused)
 
 
 def _ort(model, example, threads: int, workdir: str) -> System:
     try:
-        import onnxruntime as ort
+        import onnxruntime  # noqa: F401
     except ImportError as exc:
         return System("ort", error=f"onnxruntime not installed ({exc})")
     path = os.path.join(workdir, "serving.onnx")
@@ -94,10 +93,7 @@ def _ort(model, example, threads: int, workdir: str) -> System:
             torch.onnx.export(FirstOutput(model).eval(), tuple(example), path, input_names=["input_ids", "attention_mask"],
                               output_names=["output"], dynamic_axes={"input_ids": axes, "attention_mask": axes,
                                                                      "output": axes}, opset_version=17, dynamo=False)
-        so = ort.SessionOptions()
-        so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        sess = _session(path, threads)
     except Exception as exc:  # noqa: BLE001
         return System("ort", error=f"export/session failed: {_one_line(exc)}")
     cold = time.perf_counter() - t
@@ -150,7 +146,6 @@ def bench_serving(model, n: int = 200, batch: int = 1, lo: int = 8, hi: int = 38
     systems = [builders[name]() for name in against]
     live = [s for s in systems if s.fn is not None]
     for i, (ids, mask) in enumerate(requests):
-        ref = None
         order = live[i % len(live):] + live[:i % len(live)] if live else []
         outs = {}
         for s in order:

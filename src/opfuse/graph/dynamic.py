@@ -111,6 +111,15 @@ def resize(t: torch.Tensor, sizes: dict[int, int]) -> torch.Tensor:
     return t.contiguous()
 
 
+def _input(i, args: tuple, kwargs: dict):
+    """Input ``i``: a positional index or a keyword name."""
+    return args[i] if isinstance(i, int) else kwargs[i]
+
+
+def _where(i) -> str:
+    return f"arg{i}" if isinstance(i, int) else i
+
+
 @dataclass(frozen=True)
 class DynamicSpec:
     """The dims a capture made dynamic: ``dims`` ((input, dim, symbol), ...) with input a
@@ -128,18 +137,24 @@ class DynamicSpec:
 
     def describe(self) -> list[str]:
         """One line per dynamic dim: ``arg0 dim 1: s1 in [1, 512]``."""
-        return [f"{'arg' + str(i) if isinstance(i, int) else i} dim {d}: {s} in "
-                f"[{self.range_of(s)[0]}, {self.range_of(s)[1]}]" for i, d, s in self.dims]
+        return [f"{_where(i)} dim {d}: {s} in [{self.range_of(s)[0]}, {self.range_of(s)[1]}]"
+                for i, d, s in self.dims]
+
+    def sizes(self, args: tuple, kwargs: dict) -> dict[str, int]:
+        """{symbol: size} of the dynamic dims in these inputs (a symbol's first dim)."""
+        out: dict[str, int] = {}
+        for i, d, s in self.dims:
+            out.setdefault(s, _input(i, args, kwargs).shape[d])
+        return out
 
     def out_of_range(self, args: tuple, kwargs: dict) -> str | None:
         """Why a call's sizes are outside the ranges, or differ between dims of one symbol
         (the sequence of ``input_ids`` and ``attention_mask``); None when inside."""
         seen: dict[str, tuple] = {}
         for i, d, s in self.dims:
-            v = args[i] if isinstance(i, int) else kwargs.get(i)
             lo, hi = self.range_of(s)
-            n = v.shape[d]
-            where = f"arg{i}" if isinstance(i, int) else i
+            n = _input(i, args, kwargs).shape[d]
+            where = _where(i)
             if s in seen and seen[s][0] != n:
                 return (f"{where} dim {d} is {n} but {seen[s][1]} is {seen[s][0]}: the plan has one size {s} "
                         "for both")
@@ -193,10 +208,8 @@ def sample_inputs(spec: DynamicSpec, args: tuple, kwargs: dict) -> list[tuple[di
     an odd size between (example + 13, capped at the maximum: not a power of two, not the
     example's block multiple; the batch, dim 0, one more than the example's). Sizes equal to
     the example's are skipped."""
-    example, position = {}, {}
-    for i, d, s in spec.dims:
-        v = args[i] if isinstance(i, int) else kwargs[i]
-        example[s] = v.shape[d]
+    example, position = spec.sizes(args, kwargs), {}
+    for _i, d, s in spec.dims:
         position.setdefault(s, d)
     # Symbols at the same dim position (the batch of ids and of the mask; their sequence
     # lengths) move together: export may keep them apart yet guard them equal at run time.
