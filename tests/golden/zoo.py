@@ -1,0 +1,73 @@
+"""Golden plans of the Hugging Face architecture tier (src/opfuse/zoo.py): per
+(architecture, attention implementation), the fused-region count per pattern and the
+regions matched per pattern, in tests/golden/zoo.json.
+
+Regenerate (then REVIEW the diff: a changed count is a behaviour change):
+    .venv/bin/python tests/golden/zoo.py --write
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+# the test tier's decisions (tests/cpu/conftest.py): traffic gate, static CPU profile
+os.environ.setdefault("OPFUSE_DECIDE", "rho")
+os.environ.setdefault("OPFUSE_MEASURE_DEVICE", "0")
+
+PATH = Path(__file__).parent / "zoo.json"
+
+
+def key(arch, attn: str) -> str:
+    return f"{arch.name}/{attn}"
+
+
+def plan(arch, attn: str):
+    """(record, model, fused, args, kwargs, optimize seconds) at the row's first size."""
+    import opfuse
+    model = arch.build(attn)
+    batch, seq = arch.sizes[0]
+    args, kwargs = arch.inputs(model, batch, seq)
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused = opfuse.optimize(model, args, example_kwargs=kwargs, name=arch.name)
+    seconds = time.perf_counter() - start
+    report = fused.report
+    record = {
+        "fused": dict(sorted(report.counts().items())),
+        "matched": dict(sorted({p: sum(r.pattern == p for r in report.regions)
+                                for p in {r.pattern for r in report.regions}}.items())),
+        "capture": report.capture.get("mode"),
+    }
+    return record, model, fused, args, kwargs, seconds
+
+
+def unfused_reasons(fused) -> list[str]:
+    """Why blocks stayed unfused: near misses and legality refusals (not ρ or overlaps),
+    one line per distinct reason with node names stripped."""
+    import re
+    seen: dict[str, None] = {}
+    lines = [f"{m['pattern']}: {m['reason']}" for m in fused.report.near_misses]
+    lines += [f"{r.pattern}: {r.reason}" for r in fused.report.regions
+              if r.decision != "fused" and r.gate == "legality"]
+    for line in lines:
+        line = re.sub(r" (anchored )?at [A-Za-z_]+[0-9_]*(?=[:,) ]|$)", "", line)
+        seen.setdefault(line, None)
+    return list(seen)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parents[2] / "src"))
+    from opfuse import zoo
+    golden = {}
+    for arch, attn in zoo.cases():
+        record, *_, seconds = plan(arch, attn)
+        golden[key(arch, attn)] = record
+        print(key(arch, attn), json.dumps(record), f"{seconds:.1f} s", flush=True)
+    if "--write" in sys.argv:
+        PATH.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
