@@ -194,3 +194,100 @@ def test_t5_relative_position_bias_attention_fuses():
         got = fused(ids, attention_mask=mask).last_hidden_state
         want = model(ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_t5_position_bias_then_mask_fuses_in_both_implementations(attn):
+    """T5's eager attention adds the position bias and then the mask to the scores (scale
+    1.0): the two-term row sums them into one additive mask."""
+    from opfuse import zoo
+    arch = zoo.BY_NAME["t5-encoder"]
+    model = arch.build(attn)
+    args, kwargs = arch.inputs(model, 2, 12)
+    fused = opfuse.optimize(model, args, example_kwargs=kwargs)
+    variants = [r.variant for r in fused.report.fused if r.pattern == "attention"]
+    assert len(variants) == 2 and (attn == "sdpa" or set(variants) == {"eager_scaled_bias"}), variants
+    with torch.no_grad():
+        torch.testing.assert_close(fused(*args, **kwargs)[0], model(*args, **kwargs)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_bloom_alibi_attention_on_3d_bmm_fuses():
+    """Bloom: ALiBi bias.baddbmm(q, kᵀ) on [B·H, S, D], + the padding/causal mask, softmax,
+    bmm with v — one fused attention per layer, equal to eager (left-padded batch)."""
+    from opfuse import zoo
+    arch = zoo.BY_NAME["bloom"]
+    model = arch.build("eager")
+    args, kwargs = arch.inputs(model, 2, 12)
+    fused = opfuse.optimize(model, args, example_kwargs=kwargs)
+    assert [r.variant for r in fused.report.fused if r.pattern == "attention"] == ["bmm_alibi"] * 2
+    with torch.no_grad():
+        torch.testing.assert_close(fused(*args, **kwargs)[0], model(*args, **kwargs)[0], rtol=1e-4, atol=1e-4)
+
+
+class _Bmm3d(torch.nn.Module):
+    """Attention on [B·H, S, D] with an additive bias through baddbmm (Bloom's spelling)."""
+
+    def __init__(self, heads, beta):
+        super().__init__()
+        self.heads, self.beta = heads, beta
+
+    def forward(self, q, k, v, bias, mask):
+        bh, s, _ = q.shape
+        scores = bias.baddbmm(q, k.transpose(-1, -2), beta=self.beta, alpha=0.25)
+        probs = torch.softmax(scores.view(bh // self.heads, self.heads, s, -1) + mask, dim=-1)
+        return torch.bmm(probs.view(bh, s, -1), v)
+
+
+@pytest.mark.parametrize("bias_shape, beta, fuses", [
+    ((6, 1, 24), 1.0, True),    # ALiBi: one row per (batch, head)
+    ((6, 24, 24), 0.5, True),   # a bias per query row, scaled by beta
+    ((1, 1, 24), 1.0, True),    # one bias for every batch and head
+    ((24, 24), 1.0, False),     # a 2-D bias: refused (the kernel path takes [B·H or 1, 1 or Sq, Sk])
+])
+def test_bmm_attention_bias_shapes(bias_shape, beta, fuses):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(6, 24, 8), torch.randn(6, 24, 8), torch.randn(6, 24, 8)  # B=2, H=3, S=24
+    bias, mask = torch.randn(bias_shape), torch.zeros(2, 1, 24, 24)
+    mask[0, :, :, 20:] = torch.finfo(torch.float32).min
+    model = _Bmm3d(3, beta).eval()
+    fused = opfuse.optimize(model, (q, k, v, bias, mask))
+    assert ("attention" in fused.report.counts()) == fuses, [(r.pattern, r.reason) for r in fused.report.regions]
+    if not fuses:
+        (region,) = [r for r in fused.report.regions if r.pattern == "attention"]
+        assert "bias" in region.reason and "[24, 24]" in region.reason, region.reason
+    with torch.no_grad():
+        out = fused(q, k, v, bias, mask)
+    q64, k64, v64, b64, m64 = (t.double() for t in (q, k, v, bias, mask))
+    scores = beta * b64 + 0.25 * q64 @ k64.transpose(-1, -2)
+    want = torch.softmax(scores.view(2, 3, 24, 24) + m64, -1).view(6, 24, 24) @ v64
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+class _TwoTerms(torch.nn.Module):
+    """Scores + a position bias + a mask; ``bool_bias`` adds a bool tensor (0/1), which no
+    attention kernel reads as an additive bias."""
+
+    def __init__(self, bool_bias):
+        super().__init__()
+        self.bool_bias = bool_bias
+
+    def forward(self, q, k, v, bias, mask):
+        if self.bool_bias:
+            bias = bias > 0
+        return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * 0.25 + bias + mask, -1), v)
+
+
+@pytest.mark.parametrize("bool_bias", [False, True])
+def test_two_additive_terms(bool_bias):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 3, 5, 16), torch.randn(2, 3, 5, 16), torch.randn(2, 3, 5, 16)
+    bias, mask = torch.randn(1, 3, 5, 5), torch.zeros(2, 1, 1, 5)
+    mask[1, ..., 4:] = -1e9
+    model = _TwoTerms(bool_bias).eval()
+    fused = opfuse.optimize(model, (q, k, v, bias, mask))
+    assert ("attention" in fused.report.counts()) == (not bool_bias), fused.report.counts()
+    with torch.no_grad():
+        out = fused(q, k, v, bias, mask)
+    b = (bias > 0).double() if bool_bias else bias.double()
+    want = torch.softmax(q.double() @ k.double().transpose(-2, -1) * 0.25 + b + mask.double(), -1) @ v.double()
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)

@@ -31,6 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..cost.model import Cost, fused_cost
 from .common import check_float, first_problem, shape, val
 from .engine import IGNORE, Pattern
 
@@ -80,6 +81,44 @@ def eager_qscaled_where(q, k, v, mask):
 def eager_unscaled_where(q, k, v, mask):
     s = torch.matmul(q, k.transpose(-2, -1))
     return torch.matmul(torch.softmax(torch.where(mask, s, _FILL), dim=-1), v)
+
+
+def eager_scaled_bias(q, k, v, bias, mask):
+    """Two additive terms: a position bias then the padding/causal mask (T5: the relative
+    position bias, then the extended mask; its scale is 1.0)."""
+    return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * _SCALE + bias + mask, dim=-1), v)
+
+
+def eager_unscaled_bias(q, k, v, bias, mask):
+    return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-2, -1)) + bias + mask, dim=-1), v)
+
+
+def _bias_example():
+    q, k, v = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8)
+    return q, k, v, torch.randn(1, 2, 4, 4), torch.randn(2, 1, 4, 4)
+
+
+_BETA = 1.0  # any value: bound ("beta") by the 3-D row
+
+
+def bmm_alibi(q, k, v, bias, mask):
+    """Bloom's ALiBi attention on 3-D [B·H, S, D] tensors::
+
+        scores = bias.baddbmm(q, kᵀ, beta=β, alpha=scale)      # bias [B·H, 1, Sk]: ALiBi slopes · position
+        probs  = softmax(scores.view(B, H, Sq, Sk) + mask)      # mask [B, 1, Sq, Sk]
+        out    = bmm(probs.view(B·H, Sq, Sk), v)               # [B·H, Sq, D]
+
+    The kernel runs it 4-D: q, k, v and the bias unflattened to [B, H, …] (views), the
+    additive mask β·bias + mask (Press et al. 2022, "ALiBi": the bias is added to the
+    scores before the softmax)."""
+    scores = torch.baddbmm(bias, q, k.transpose(-1, -2), beta=_BETA, alpha=_SCALE)
+    probs = torch.softmax(scores.view(2, 2, 4, 4) + mask, dim=-1)
+    return torch.bmm(probs.view(4, 4, 4), v)
+
+
+def _bmm_example():
+    q, k, v = torch.randn(4, 4, 8), torch.randn(4, 4, 8), torch.randn(4, 4, 8)
+    return q, k, v, torch.randn(4, 1, 4), torch.randn(2, 1, 4, 4)
 
 
 def _bool_mask_example():
@@ -140,35 +179,77 @@ def _finite_mask(node) -> bool:
     return all(finite(a) for a in node.args[1:3])
 
 
+def _bmm_shapes(match) -> tuple[dict, str | None]:
+    """A 3-D row's inputs read as the kernel's 4-D tensors: q, k, v [B·H, S, D] ->
+    [B, H, S, D] with H from the region's scores view [B, H, Sq, Sk]; the bias
+    [B·H or 1, 1 or Sq, Sk] -> [B or 1, H or 1, 1 or Sq, Sk]. Sets ``params["heads"]``."""
+    views = [shape(n) for n in match.region if n.target in (torch.ops.aten.view.default,
+                                                           torch.ops.aten._unsafe_view.default,
+                                                           torch.ops.aten.reshape.default)]
+    four = next((sv for sv in views if sv is not None and len(sv) == 4), None)
+    q3, k3, v3, b3 = (shape(match.inputs[n]) for n in ("q", "k", "v", "bias"))
+    if four is None or not (q3 and k3 and v3 and b3) or not (len(q3) == len(k3) == len(v3) == 3):
+        return {}, f"3-D attention: q/k/v {q3}, {k3}, {v3} are not [B·H, S, D] beside a [B, H, Sq, Sk] view"
+    batch, heads = four[0], four[1]
+    if not isinstance(heads, int):
+        return {}, f"3-D attention: the head count {heads} is not a constant"
+    if q3[0] != batch * heads:
+        return {}, f"3-D attention: q's leading dim {q3[0]} is not batch {batch} × heads {heads}"
+    if len(b3) != 3 or b3[0] not in (1, q3[0]):
+        return {}, (f"bias {match.inputs['bias'].name} has shape {list(b3)}; the kernel takes [B·H or 1, "
+                    f"1 or Sq, Sk] (B·H = {q3[0]})")
+    match.params["heads"] = heads
+    match.params["bias_per_head"] = b3[0] != 1
+    out = {n: (batch, heads, *shape(match.inputs[n])[1:]) for n in ("q", "k", "v")}
+    out["bias"] = ((batch, heads) if b3[0] != 1 else (1, 1)) + tuple(b3[1:])
+    return out, None
+
+
 def check(match) -> str | None:
-    """Legality on real shapes: rank-4 Q/K/V, matching head dims, grouped K/V heads
-    dividing Q heads, a mask broadcastable to [B,H,Sq,Sk], the scale a real number."""
-    q, k, v = (shape(match.inputs[n]) for n in ("q", "k", "v"))
+    """Legality on real shapes: rank-4 Q/K/V (3-D [B·H, S, D] rows read as 4-D), matching
+    head dims, grouped K/V heads dividing Q heads, every additive mask / bias broadcastable
+    to [B,H,Sq,Sk], the scale a real number."""
+    if match.pattern.variant.startswith("bmm"):
+        shapes, problem = _bmm_shapes(match)
+        if problem:
+            return problem
+    else:
+        shapes = {n: shape(match.inputs[n]) for n in ("q", "k", "v", "bias") if n in match.inputs}
+    q, k, v = (shapes[n] for n in ("q", "k", "v"))
     if not (q and k and v and len(q) == len(k) == len(v) == 4):
         return f"Q/K/V must be 4-D [B,H,S,D]; got {q}, {k}, {v}"
     if q[-1] != k[-1] or k[-2] != v[-2] or k[1] != v[1] or q[0] != k[0]:
         return f"Q/K/V shapes disagree: q {list(q)}, k {list(k)}, v {list(v)}"
     if q[1] % k[1]:
         return f"K/V heads ({k[1]}) do not divide Q heads ({q[1]})"
-    mask = match.inputs.get("mask")
-    if mask is not None:
-        m = shape(mask)
+    dead = False
+    for name in ("bias", "mask"):
+        mask = match.inputs.get(name)
+        if mask is None:
+            continue
+        m = shapes.get(name) or shape(mask)
         target = (q[0], q[1], q[2], k[2])
         if m is None or len(m) > 4 or any(a not in (1, b) for a, b in zip(m[::-1], target[::-1])):
-            return f"mask {mask.name} has shape {m}, not broadcastable to {list(target)}"
+            return f"{name} {mask.name} has shape {m}, not broadcastable to [B, H, Sq, Sk] = {list(target)}"
         if len(m) < 2:  # ATen SDPA (the CPU kernel) raises on a 1-D mask
-            return f"mask {mask.name} is 1-D {list(m)}; the kernel needs a mask of rank 2 to 4"
+            return f"{name} {mask.name} is 1-D {list(m)}; the kernel needs a mask of rank 2 to 4"
         mv = val(mask)
         if mv.dtype not in (torch.bool, val(match.inputs['q']).dtype, torch.float32):
-            return f"mask {mask.name} dtype {mv.dtype} is neither bool nor the query dtype"
+            return f"{name} {mask.name} dtype {mv.dtype} is neither bool nor the query dtype"
         if not match.pattern.variant.startswith("sdpa") and "fill" not in match.literals \
                 and not mv.dtype.is_floating_point:
             # eager spellings ADD the mask: a bool mask adds 0/1, the kernel would drop positions
             # (an SDPA source, grouped-query rows included, reads a bool mask as keep/drop, as the kernel)
-            return f"mask {mask.name} is {mv.dtype} but added to the scores (+0/+1), not a keep/drop mask"
+            return f"{name} {mask.name} is {mv.dtype} but added to the scores (+0/+1), not a keep/drop mask"
         # eager softmax of a fully masked (-inf) row is NaN; the SDPA kernel returns 0 there.
         # Masks built by where(cond, 0, finite fill) (HF's finfo.min masks) never hold -inf.
-        match.params["dead_rows_nan"] = not match.pattern.retarget and not _finite_mask(mask)
+        dead = dead or (not match.pattern.retarget and not _finite_mask(mask))
+    if "mask" in match.inputs:
+        match.params["dead_rows_nan"] = dead
+    beta = match.literals.get("beta", 1.0)
+    if not isinstance(beta, (int, float)) or isinstance(beta, bool):
+        return f"baddbmm beta {beta!r} is not a constant number"
+    match.params["beta"] = float(beta)
     if match.literals.get("dropout_p", 0.0) not in (0, 0.0):
         return f"dropout_p={match.literals['dropout_p']} (training mode) cannot be fused for inference"
     scale = match.literals.get("scale", 1.0)
@@ -202,22 +283,51 @@ def build(graph, inputs, literals, params):
     aten = torch.ops.aten
     op = torch.ops.opfuse.attention.default
     mask = inputs.get("mask")
+    q, k, v, bias = inputs["q"], inputs["k"], inputs["v"], inputs.get("bias")
+    heads = params.get("heads")
+    if heads is not None:  # 3-D [B·H, S, D] row: 4-D views for the kernel
+        q, k, v = (graph.call_function(aten.unflatten.int, (t, 0, [-1, heads])) for t in (q, k, v))
+        if params.get("bias_per_head"):
+            bias = graph.call_function(aten.unflatten.int, (bias, 0, [-1, heads]))
+        if params.get("beta", 1.0) != 1.0:
+            bias = graph.call_function(aten.mul.Tensor, (bias, params["beta"]))
+    if bias is not None:  # one additive mask: bias + mask, at their broadcast shape
+        mask = graph.call_function(aten.add.Tensor, (bias, mask))
     if "fill" in params:
         # where(keep, scores, fill) -> additive float32 mask 0 / fill over the (small, broadcast)
         # mask shape: identical to eager, fully masked rows included (finfo.min: the mean of V;
         # -inf: NaN, restored below), which a boolean SDPA mask would not give (it returns 0)
         mask = graph.call_function(aten.where.Scalar, (mask, 0.0, params["fill"]))
-    out = graph.call_function(op, (inputs["q"], inputs["k"], inputs["v"], mask,
-                                   params["scale"], params["is_causal"]))
+    out = graph.call_function(op, (q, k, v, mask, params["scale"], params["is_causal"]))
     if params.get("dead_rows_nan"):  # keep eager's NaN for query rows whose mask is all -inf
         dead = graph.call_function(aten.all.dim, (graph.call_function(aten.isneginf.default, (mask,)), -1, True))
         out = graph.call_function(aten.masked_fill.Scalar, (out, dead, float("nan")))
+    if heads is not None:
+        out = graph.call_function(aten.flatten.using_ints, (out, 0, 1))  # [B·H, Sq, D], as the bmm
     return [out]
+
+
+def bias_mask_cost(match, device) -> Cost:
+    """Fused traffic of a row with two additive terms: external inputs once, the output
+    once, plus the bias + mask sum the kernel reads, written and read once at their
+    broadcast shape (up to [B, H, Sq, Sk], float32: 4 bytes each)."""
+    base = fused_cost(match.region, list(match.outputs))
+    q, k = shape(match.inputs["q"]), shape(match.inputs["k"])
+    heads = match.params.get("heads")
+    if heads:  # 3-D row: [B·H, S, D]
+        sizes = (q[0], q[1], k[1])
+    else:
+        b, m = shape(match.inputs["bias"]), shape(match.inputs["mask"])
+        full = torch.broadcast_shapes(b, m, (1, 1, 1, 1))
+        sizes = tuple(full)
+    elems = math.prod(int(d) if isinstance(d, int) else 1 for d in sizes)
+    return base + Cost(0, 4 * elems, 4 * elems)
 
 
 _SDPA_LITERALS = {"scale": "scale", "is_causal": "is_causal", "dropout_p": "dropout_p",
                   "enable_gqa": "enable_gqa"}
 _EAGER_LITERALS = {"other": "scale", "where.other": "fill"}
+_BMM_LITERALS = {"baddbmm.alpha": "scale", "baddbmm.beta": "beta"}
 
 _ROWS = [
         ("eager_scaled_mask", eager_scaled_mask, True, _EAGER_LITERALS, False),
@@ -229,16 +339,22 @@ _ROWS = [
         ("eager_scaled_where", eager_scaled_where, "bool", _EAGER_LITERALS, False),
         ("eager_qscaled_where", eager_qscaled_where, "bool", _EAGER_LITERALS, False),
         ("eager_unscaled_where", eager_unscaled_where, "bool", _EAGER_LITERALS, False),
+        ("eager_scaled_bias", eager_scaled_bias, "bias", _EAGER_LITERALS, False),
+        ("eager_unscaled_bias", eager_unscaled_bias, "bias", _EAGER_LITERALS, False),
+        ("bmm_alibi", bmm_alibi, "bmm", _BMM_LITERALS, False),
         ("sdpa_mask", sdpa_mask, True, _SDPA_LITERALS, True),
         ("sdpa", sdpa, False, _SDPA_LITERALS, True),
 ]
 
+_EXAMPLES = {"bool": _bool_mask_example, "bias": _bias_example, "bmm": _bmm_example}
+
 PATTERNS = [
-    Pattern("attention", variant, fn, _bool_mask_example if mask == "bool" else (lambda m=mask: _qkv_example(m)),
-            build, check, literals=literals, retarget=retarget)
+    Pattern("attention", variant, fn, _EXAMPLES.get(mask, lambda m=mask: _qkv_example(m)),
+            build, check, literals=literals, retarget=retarget,
+            fused_cost=bias_mask_cost if mask in ("bias", "bmm") else None)
     for variant, fn, mask, literals, retarget in _ROWS
 ] + [  # grouped-query rows: K/V repeated by expand+reshape in the source, mapped by index in the kernel
     Pattern("attention", variant + "_gqa", _gqa(fn, bool(mask)), lambda m=mask: _gqa_example(m), build, check,
             literals=literals, retarget=False)
-    for variant, fn, mask, literals, retarget in _ROWS if mask != "bool"
+    for variant, fn, mask, literals, retarget in _ROWS if mask in (True, False)
 ]
