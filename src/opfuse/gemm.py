@@ -91,7 +91,7 @@ def sites() -> dict:
     GEMM inside."""
     ops = torch.ops.opfuse
     table = {aten.linear.default: Site("linear", 0, 1, 2, _call(aten.linear.default))}
-    for name, b in {"linear_bias_gelu": 2, "linear_residual": 2, "swiglu": None,
+    for name, b in {"linear_bias_gelu": 2, "linear_residual": 2, "swiglu": None, "geglu": None,
                     "linear_add_layernorm": 2, "linear_add_layernorm_sum": 2}.items():
         if hasattr(ops, name):
             target = getattr(ops, name).default

@@ -115,20 +115,44 @@ def test_phi3_packed_gate_up_swiglu_fuses():
         torch.testing.assert_close(fused(ids).last_hidden_state, model(ids).last_hidden_state, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("act, act_on, fuses", [(torch.nn.functional.silu, 0, True),
-                                                (torch.nn.functional.silu, 1, False),   # SiLU on the up half
-                                                (torch.nn.functional.gelu, 0, False)])  # GeGLU is not SwiGLU
-def test_packed_gate_up_only_as_swiglu(act, act_on, fuses):
+def _gelu_tanh(x):
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+@pytest.mark.parametrize("act, act_on, fuses", [
+    (torch.nn.functional.silu, 0, {"swiglu": "packed_chunk"}),
+    (torch.nn.functional.silu, 1, {}),                                  # SiLU on the up half
+    (torch.nn.functional.gelu, 0, {"geglu": "packed_chunk_erf"}),       # GeGLU, never taken for SwiGLU
+    (_gelu_tanh, 0, {"geglu": "packed_chunk_tanh"}),                    # tanh GELU: its own row
+    (torch.nn.functional.gelu, 1, {}),                                  # GELU on the up half
+])
+def test_packed_gate_up_rows(act, act_on, fuses):
     model = _PackedMLP(act, act_on).eval()
     x = torch.randn(2, 5, 16)
     fused = opfuse.optimize(model, (x,))
-    assert ("swiglu" in fused.report.counts()) == fuses, fused.report.counts()
+    got = {r.pattern: r.variant for r in fused.report.fused if r.pattern in ("swiglu", "geglu")}
+    assert got == fuses, fused.report.counts()
     with torch.no_grad():
         out, want = fused(x), model(x)
     torch.testing.assert_close(out, want)
     x64 = x.double()
     halves = torch.nn.functional.linear(x64, model.gate_up.weight.double()).chunk(2, -1)
     torch.testing.assert_close(out.double(), halves[1 - act_on] * act(halves[act_on]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name, variant", [("gemma", "tanh"), ("t5-encoder", "tanh"), ("modernbert", "packed_chunk_erf")])
+def test_gated_gelu_mlps_fuse(name, variant):
+    """GeGLU MLPs: Gemma (gelu_pytorch_tanh), T5 v1.1 gated-gelu (HF's hand-written tanh
+    GELU, respelled), ModernBERT (packed Wi + chunk, erf GELU) — one geglu per layer."""
+    from opfuse import zoo
+    arch = zoo.BY_NAME[name]
+    model = arch.build("eager")
+    args, kwargs = arch.inputs(model, 2, 12)
+    fused = opfuse.optimize(model, args, example_kwargs=kwargs)
+    assert [r.variant for r in fused.report.fused if r.pattern == "geglu"] == [variant] * 2, fused.report.counts()
+    assert "swiglu" not in fused.report.counts()
+    with torch.no_grad():
+        torch.testing.assert_close(fused(*args, **kwargs)[0], model(*args, **kwargs)[0], rtol=1e-4, atol=1e-4)
 
 
 def test_gptj_rope_in_bshd_layout_with_partial_rotary_fuses():

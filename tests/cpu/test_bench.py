@@ -133,7 +133,7 @@ def test_kernel_cases_match_their_eager_ops():
     from opfuse.kernels import ops  # noqa: F401  registers torch.ops.opfuse
     cases = bk.cases("tiny")
     assert {c.kernel for c in cases} >= {"add_layernorm", "layernorm_gelu", "rmsnorm", "add_rmsnorm", "linear_bias_gelu",
-                                         "linear_residual", "linear_add_layernorm", "ffn", "swiglu", "attention", "rope"}
+                                         "linear_residual", "linear_add_layernorm", "ffn", "swiglu", "geglu", "attention", "rope"}
     # two sizes: a case closure that reads a loop variable late (not bound per size) fails here
     with torch.inference_mode():
         for c in cases:

@@ -201,6 +201,33 @@ def test_swiglu_gate_rows_first_and_leading_dims():
     assert max_err(OP.swiglu(x, swapped, 8), reference.swiglu(x, w, 8)) > 1e-2
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k,hidden", SWIGLU_SHAPES[:5])
+def test_geglu(rows, k, hidden, dtype, approximate):
+    x = randn(rows, k, dtype=dtype, seed=12)
+    w = gate_up_weight(hidden, k, dtype)
+    assert_close(OP.geglu(x, w, hidden, approximate), reference.geglu(x, w, hidden, approximate), dtype)
+
+
+def test_geglu_forms_and_halves_are_distinct():
+    """erf and tanh GELU are different functions (never interchanged), gate rows come first,
+    and a GeGLU is not a SwiGLU: each swap moves the result far beyond float32 noise."""
+    x = randn(2, 3, 5, 16, seed=13) * 3
+    w = gate_up_weight(8, 16, torch.float32)
+    gate, up = w[:8], w[8:]
+    erf = OP.geglu(x, w, 8, "none")
+    torch.testing.assert_close(erf, torch.nn.functional.gelu(x @ gate.T) * (x @ up.T), rtol=1e-5, atol=1e-5)
+    tanh = OP.geglu(x, w, 8, "tanh")
+    torch.testing.assert_close(tanh, torch.nn.functional.gelu(x @ gate.T, approximate="tanh") * (x @ up.T),
+                               rtol=1e-5, atol=1e-5)
+    assert max_err(erf, tanh) > 1e-4
+    assert max_err(OP.geglu(x, torch.cat((up, gate)), 8, "none"), erf) > 1e-2
+    assert max_err(OP.swiglu(x, w, 8), erf) > 1e-2
+    with pytest.raises(ValueError, match="approximate"):
+        OP.geglu(x, w, 8, "sigmoid")
+
+
 def test_silu_extremes_and_exp_accuracy():
     """silu on [-100, 100] and at +-1e4 (exp clamped): no inf / nan, relative error ~1e-7."""
     z = torch.cat((torch.linspace(-100, 100, 4001), torch.tensor([-1e4, -88.5, -87.5, 87.5, 88.5, 1e4])))
@@ -313,6 +340,7 @@ def test_non_contiguous_inputs(dtype):
     wgu = gate_up_weight(127, 384, dtype).t().contiguous().t()  # [254, 384], column-major
     assert not wgu.is_contiguous()
     assert_close(OP.swiglu(x, wgu, 127), reference.swiglu(x, wgu, 127), dtype)
+    assert_close(OP.geglu(x, wgu, 127, "tanh"), reference.geglu(x, wgu, 127, "tanh"), dtype)
 
     for layout in LAYOUTS:
         q = randn(2, 7, 3, 64, dtype=dtype, seed=18).transpose(1, 2)  # [B, H, S, D] view of [B, S, H, D]

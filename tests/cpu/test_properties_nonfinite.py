@@ -119,6 +119,8 @@ def test_gemm_epilogues_non_finite(data):
     wgu = (torch.randn(2 * n, k, dtype=torch.float64) / k ** 0.5).to(dtype)
     gu = F.linear(x, wgu)
     agrees(OP.swiglu(x, wgu, n), F.silu(gu[..., :n]) * gu[..., n:], ref.swiglu(x, wgu, n), dtype)
+    agrees(OP.geglu(x, wgu, n, form), F.gelu(gu[..., :n], approximate=form) * gu[..., n:],
+           ref.geglu(x, wgu, n, form), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -140,6 +140,7 @@ def _empty_calls():
         "rmsnorm-N0": lambda: OP.rmsnorm(torch.randn(3, 0), torch.randn(0), 1e-6),
         "add_rmsnorm": lambda: OP.add_rmsnorm(x, x, w, 1e-6),
         "swiglu": lambda: OP.swiglu(x, torch.randn(8, 16), 4),
+        "geglu": lambda: OP.geglu(x, torch.randn(8, 16), 4, "tanh"),
         "attention": lambda: OP.attention(q, q, q, None, 0.3, False),
         "rope": lambda: OP.rope(q, cos, cos, "rotate_half"),
         "rope_qk": lambda: OP.rope_qk(q, q, cos, cos, "interleaved"),

@@ -111,6 +111,11 @@ def cases(sizes: str = "full") -> list[Case]:
             lambda x=x, wgu=wgu, hid=hid, g=g_buf, u=u_buf:
                 F.silu(torch.mm(x, wgu[:hid].t(), out=g)) * torch.mm(x, wgu[hid:].t(), out=u),
             _b(x, wgu, g_buf), 4 * m * n * hid))
+        out.append(Case(
+            "geglu", f"[{m},{n}]→2x{hid}", lambda x=x, wgu=wgu, hid=hid: ops.geglu(x, wgu, hid, "tanh"),
+            lambda x=x, wgu=wgu, hid=hid, g=g_buf, u=u_buf:
+                F.gelu(torch.mm(x, wgu[:hid].t(), out=g), approximate="tanh") * torch.mm(x, wgu[hid:].t(), out=u),
+            _b(x, wgu, g_buf), 4 * m * n * hid))
     # attention: [B, H, S, D] with an additive padding mask [B, 1, 1, S] (BERT's spelling)
     att_shapes = {"tiny": [(1, 2, 16, 8)], "quick": [(1, 12, 128, 64), (8, 12, 128, 32)],
                   "full": [(1, 12, 128, 64), (8, 12, 128, 32), (1, 12, 512, 64)]}[sizes]

@@ -359,9 +359,9 @@ def check_add_rmsnorm(x: object, residual: object, weight: object, *, device_typ
     return n
 
 
-def check_swiglu(x: object, w_gate_up: object, hidden: int, *, device_type: DeviceType) -> tuple[int, int]:
+def check_swiglu(x: object, w_gate_up: object, hidden: int, *, device_type: DeviceType,
+                 op: str = "swiglu") -> tuple[int, int]:
     """x [..., K], w_gate_up [2*hidden, K] of x's dtype; returns (K, hidden)."""
-    op = "swiglu"
     check_tensor(op, "x", x, device_type=device_type)
     check_tensor(op, "w_gate_up", w_gate_up, ndim_min=2, device_type=device_type)
     if int(hidden) < 1:
@@ -370,6 +370,13 @@ def check_swiglu(x: object, w_gate_up: object, hidden: int, *, device_type: Devi
     check_shape(op, "w_gate_up", w_gate_up, (2 * int(hidden), k))
     check_same(op, x=x, w_gate_up=w_gate_up)
     return k, int(hidden)
+
+
+def check_geglu(x: object, w_gate_up: object, hidden: int, approximate: str, *,
+                device_type: DeviceType) -> tuple[int, int]:
+    """As :func:`check_swiglu`, and ``approximate`` is ``"none"`` (erf) or ``"tanh"``."""
+    check_approximate("geglu", approximate)
+    return check_swiglu(x, w_gate_up, hidden, device_type=device_type, op="geglu")
 
 
 def check_rope(x: object, cos: object, sin: object, layout: str, *, device_type: DeviceType):
@@ -402,6 +409,7 @@ OP_CHECKS = {
     "rmsnorm": lambda x, w, eps, **d: check_rmsnorm(x, w, **d),
     "add_rmsnorm": lambda x, r, w, eps, **d: check_add_rmsnorm(x, r, w, **d),
     "swiglu": lambda x, w, hidden, **d: check_swiglu(x, w, hidden, **d),
+    "geglu": lambda x, w, hidden, a, **d: check_geglu(x, w, hidden, a, **d),
     "rope": lambda x, cos, sin, layout, **d: check_rope(x, cos, sin, layout, **d),
     "rope_qk": lambda q, k, cos, sin, layout, **d: check_rope_qk(q, k, cos, sin, layout, **d),
 }

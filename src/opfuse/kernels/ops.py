@@ -16,6 +16,7 @@ op and imports the CPU kernels (which register themselves).
     opfuse::rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor
     opfuse::add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)
     opfuse::swiglu(Tensor x, Tensor w_gate_up, int hidden) -> Tensor
+    opfuse::geglu(Tensor x, Tensor w_gate_up, int hidden, str approximate) -> Tensor
     opfuse::rope(Tensor x, Tensor cos, Tensor sin, str layout) -> Tensor
     opfuse::rope_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, str layout) -> (Tensor, Tensor)
 """
@@ -61,6 +62,7 @@ SCHEMAS: dict[str, str] = {
     "rmsnorm": "(Tensor x, Tensor weight, float eps) -> Tensor",
     "add_rmsnorm": "(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
     "swiglu": "(Tensor x, Tensor w_gate_up, int hidden) -> Tensor",
+    "geglu": "(Tensor x, Tensor w_gate_up, int hidden, str approximate) -> Tensor",
     "rope": "(Tensor x, Tensor cos, Tensor sin, str layout) -> Tensor",
     "rope_qk": "(Tensor q, Tensor k, Tensor cos, Tensor sin, str layout) -> (Tensor, Tensor)",
 }
@@ -233,6 +235,16 @@ def _(x, w_gate_up, hidden):
     return x.new_empty((*x.shape[:-1], hidden))
 
 
+@_op("geglu")
+def geglu(x: Tensor, w_gate_up: Tensor, hidden: int, approximate: str) -> Tensor:
+    return lookup("geglu", x.device.type)(x, w_gate_up, hidden, approximate)
+
+
+@geglu.register_fake
+def _(x, w_gate_up, hidden, approximate):
+    return x.new_empty((*x.shape[:-1], hidden))
+
+
 @_op("rope")
 def rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str) -> Tensor:
     return lookup("rope", x.device.type)(x, cos, sin, layout)
@@ -282,6 +294,8 @@ def warm_up() -> None:
         lookup("rmsnorm", "cpu")(x.to(dtype), w, 1e-6)
         lookup("add_rmsnorm", "cpu")(x.to(dtype), res.to(dtype), w, 1e-6)
     lookup("swiglu", "cpu")(x, r(8, 8), 4)
+    for approximate in ("none", "tanh"):
+        lookup("geglu", "cpu")(x, r(8, 8), 4, approximate)
     q = r(1, 3, 2, 8)  # [B, S, H, D]
     for layout in ("rotate_half", "interleaved"):  # contiguous and transposed (strided) x
         lookup("rope", "cpu")(q, r(1, 1, 2, 8), r(1, 1, 2, 8), layout)

@@ -130,6 +130,13 @@ def swiglu(x, w_gate_up, hidden: int) -> torch.Tensor:
     return silu(h[..., :hidden]) * h[..., hidden:]
 
 
+def geglu(x, w_gate_up, hidden: int, approximate: str) -> torch.Tensor:
+    """gelu(x @ W_gate^T, approximate) * (x @ W_up^T), w_gate_up = [W_gate; W_up] (Shazeer
+    2020, "GLU Variants Improve Transformer": GEGLU; erf or tanh GELU)."""
+    h = linear(x, w_gate_up, None)
+    return torch.nn.functional.gelu(h[..., :hidden], approximate=approximate) * h[..., hidden:]
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """GPT-NeoX / HF Llama: (x1, x2) -> (-x2, x1) on the two halves of the last dim."""
     half = x.shape[-1] // 2

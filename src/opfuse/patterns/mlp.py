@@ -19,6 +19,13 @@ GEMM on [W_gate; W_up] and a SiLU·mul epilogue; the [M, 2H] GEMM output is read
 
     x --linear(Wg)--> g --silu--> a \
     x --linear(Wu)--> u ------------ mul --> out    ==>  opfuse.swiglu(x, [Wg; Wu], H)
+
+geglu (the same with GELU on the gate: T5 v1.1 ``gated-gelu`` and Gemma with tanh GELU,
+ModernBERT's packed ``Wi`` + ``chunk(2, -1)`` with erf GELU; erf and tanh are different
+rows, and neither is ever taken for SwiGLU)::
+
+    x --linear(Wg)--> g --gelu(form)--> a \
+    x --linear(Wu)--> u ----------------- mul --> out    ==>  opfuse.geglu(x, [Wg; Wu], H, form)
 """
 
 from __future__ import annotations
@@ -99,6 +106,32 @@ def check_swiglu_packed(match) -> str | None:
 
 def build_swiglu_packed(graph, inputs, literals, params):
     return [graph.call_function(torch.ops.opfuse.swiglu.default, (inputs["x"], inputs["w"], int(params["hidden"])))]
+
+
+def geglu_erf(x, wg, wu):
+    return F.gelu(F.linear(x, wg)) * F.linear(x, wu)
+
+
+def geglu_tanh(x, wg, wu):
+    return F.gelu(F.linear(x, wg), approximate="tanh") * F.linear(x, wu)
+
+
+def geglu_packed_erf(x, w):
+    """ModernBERT: ``input, gate = Wi(x).chunk(2, -1)``; ``act(input) * gate``."""
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    return F.gelu(gate) * up
+
+
+def geglu_packed_tanh(x, w):
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def _build_geglu(form: str, packed: bool):
+    def build(graph, inputs, literals, params):
+        w = inputs["w"] if packed else graph.call_function(torch.ops.aten.cat.default, ([inputs["wg"], inputs["wu"]], 0))
+        return [graph.call_function(torch.ops.opfuse.geglu.default, (inputs["x"], w, int(params["hidden"]), form))]
+    return build
 
 
 def _example_linear():
@@ -190,5 +223,11 @@ PATTERNS = [
     Pattern("ffn", "tanh", ffn_tanh, _example_ffn, _build_ffn("tanh"), check_ffn, fused_cost=ffn_fused_cost),
     Pattern("swiglu", "gate_up", swiglu, _example_swiglu, build_swiglu, check_swiglu),
     Pattern("swiglu", "packed_chunk", swiglu_packed, _example_swiglu_packed, build_swiglu_packed,
+            check_swiglu_packed),
+    Pattern("geglu", "erf", geglu_erf, _example_swiglu, _build_geglu("none", False), check_swiglu),
+    Pattern("geglu", "tanh", geglu_tanh, _example_swiglu, _build_geglu("tanh", False), check_swiglu),
+    Pattern("geglu", "packed_chunk_erf", geglu_packed_erf, _example_swiglu_packed, _build_geglu("none", True),
+            check_swiglu_packed),
+    Pattern("geglu", "packed_chunk_tanh", geglu_packed_tanh, _example_swiglu_packed, _build_geglu("tanh", True),
             check_swiglu_packed),
 ]

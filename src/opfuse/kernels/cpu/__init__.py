@@ -5,6 +5,7 @@ from opfuse.kernels.cpu import (  # noqa: F401  (imported for their @register si
     add_rmsnorm,
     attention,
     ffn,
+    geglu,
     layernorm_gelu,
     linear_add_layernorm,
     linear_bias_gelu,
