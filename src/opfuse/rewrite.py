@@ -93,23 +93,38 @@ def relax_views(gm: fx.GraphModule) -> int:
     return changed
 
 
+def _zeros_like_param(gm: fx.GraphModule, a) -> bool:
+    """``new_zeros(param, size)``: zeros of a parameter's dtype (a missing QKV bias)."""
+    return isinstance(a, fx.Node) and a.op == "call_function" and a.target is aten.new_zeros.default \
+        and len(a.args) == 2 and not a.kwargs and isinstance(a.args[0], fx.Node) and foldable(gm, a.args[0]) \
+        and all(isinstance(d, int) for d in a.args[1])
+
+
 def fold_parameter_concats(gm: fx.GraphModule) -> int:
-    """``cat`` of parameters (``get_attr`` only) -> one new parameter, computed once."""
+    """``cat`` of parameters (``get_attr``, or zeros of a parameter's dtype) -> one new
+    parameter, computed once."""
     folded = 0
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten.cat.default and \
-                all(isinstance(a, fx.Node) and foldable(gm, a) for a in node.args[0]):
-            tensors = [attrgetter(a.target)(gm) for a in node.args[0]]
+                all(isinstance(a, fx.Node) and (foldable(gm, a) or _zeros_like_param(gm, a)) for a in node.args[0]):
+            def value_of(a):
+                if a.op == "get_attr":
+                    return attrgetter(a.target)(gm).detach()
+                return attrgetter(a.args[0].target)(gm).detach().new_zeros(a.args[1])
             with torch.no_grad():
-                value = torch.cat([t.detach() for t in tensors], *node.args[1:])
+                value = torch.cat([value_of(a) for a in node.args[0]], *node.args[1:])
             name = f"opfuse_folded_{folded}_{node.name}"
             gm.register_buffer(name, value)
-            note_derived(gm, name, [a.target for a in node.args[0]])
+            note_derived(gm, name, [a.target for a in node.args[0] if a.op == "get_attr"])
             with gm.graph.inserting_before(node):
                 new = gm.graph.get_attr(name)
             new.meta["val"] = node.meta.get("val")
+            parts = list(node.args[0])
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
+            for a in parts:
+                if a.op == "call_function" and not a.users:
+                    gm.graph.erase_node(a)
             folded += 1
     return folded
 

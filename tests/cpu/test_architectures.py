@@ -315,3 +315,47 @@ def test_two_additive_terms(bool_bias):
     b = (bias > 0).double() if bool_bias else bias.double()
     want = torch.softmax(q.double() @ k.double().transpose(-2, -1) * 0.25 + b + mask.double(), -1) @ v.double()
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+class _QKV(torch.nn.Module):
+    """Three projections of one x; ``biases`` says which have a bias (Whisper: q and v)."""
+
+    def __init__(self, biases):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(32, 32, bias=b) for b in biases)
+
+    def forward(self, x):
+        return self.q(x), self.k(x), self.v(x)
+
+
+@pytest.mark.parametrize("biases", [(True, False, True), (False, False, True), (True, True, True)])
+def test_qkv_merge_with_missing_biases(biases):
+    """A projection without a bias contributes zeros to the merged bias (folded once); the
+    weights changed after optimize still give the new answer."""
+    torch.manual_seed(0)
+    model = _QKV(biases).eval()
+    x = torch.randn(4, 24, 32)
+    fused = opfuse.optimize(model, (x,))
+    assert fused.report.counts().get("qkv_merge") == 1, [(r.pattern, r.reason) for r in fused.report.regions]
+
+    def want():
+        x64 = x.double()
+        return [torch.nn.functional.linear(x64, m.weight.double(), None if m.bias is None else m.bias.double())
+                for m in (model.q, model.k, model.v)]
+    with torch.no_grad():
+        for got, ref in zip(fused(x), want()):
+            torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+        model.v.weight.mul_(2.0)
+        for got, ref in zip(fused(x), want()):
+            torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_whisper_encoder_qkv_merges_without_a_key_bias():
+    from opfuse import zoo
+    arch = zoo.BY_NAME["whisper-encoder"]
+    model = arch.build("eager")
+    args, kwargs = arch.inputs(model, 2, 0)
+    fused = opfuse.optimize(model, args, example_kwargs=kwargs)
+    assert fused.report.counts().get("qkv_merge") == 2, fused.report.counts()
+    with torch.no_grad():
+        torch.testing.assert_close(fused(*args)[0], model(*args)[0], rtol=1e-4, atol=1e-4)

@@ -9,6 +9,8 @@ once instead of three times and one GEMM replaces three launches (a multi-root p
   linear linear linear        Wq [Nq,E]  Wk [Nk,E]  Wv [Nv,E]
      |     |     |
      q     k     v      ==>   y = linear(x, [Wq;Wk;Wv], [bq;bk;bv]);  q, k, v = split(y, [Nq,Nk,Nv], -1)
+
+A projection without a bias (Whisper's k_proj) contributes zeros to the merged bias.
 """
 
 from __future__ import annotations
@@ -40,10 +42,10 @@ def check(match) -> str | None:
             return f"weight {w.name} is computed at run time, not a parameter; cannot pre-concatenate"
     if len({val(w).dtype for w in ws}) != 1 or len({shape(w)[1] for w in ws}) != 1:
         return "Q/K/V weights differ in dtype or in_features"
-    if sum(b is None for b in bs) not in (0, 3):
-        return "some of Q/K/V have a bias and some do not"
     if any(b is not None and b.op != "get_attr" for b in bs):
         return "a bias is computed at run time"
+    if len({val(b).dtype for b in bs if b is not None} | {val(ws[0]).dtype}) != 1:
+        return "Q/K/V biases differ in dtype from the weights"
     match.params["sizes"] = [shape(w)[0] for w in ws]
     return check_float(match, "x")
 
@@ -51,8 +53,12 @@ def check(match) -> str | None:
 def build(graph, inputs, literals, params):
     w = graph.call_function(aten.cat.default, ([inputs["wq"], inputs["wk"], inputs["wv"]], 0))
     b = None
-    if inputs["bq"] is not None:
-        b = graph.call_function(aten.cat.default, ([inputs["bq"], inputs["bk"], inputs["bv"]], 0))
+    biases = [inputs["bq"], inputs["bk"], inputs["bv"]]
+    if any(x is not None for x in biases):  # a missing bias is zeros (folded with the others)
+        like = next(x for x in biases if x is not None)
+        biases = [x if x is not None else graph.call_function(aten.new_zeros.default, (like, [n]))
+                  for x, n in zip(biases, params["sizes"])]
+        b = graph.call_function(aten.cat.default, (biases, 0))
     y = graph.call_function(aten.linear.default, (inputs["x"], w, b))
     parts = graph.call_function(aten.split_with_sizes.default, (y, params["sizes"], -1))
     return [graph.call_function(operator.getitem, (parts, i)) for i in range(3)]
