@@ -359,3 +359,32 @@ def test_whisper_encoder_qkv_merges_without_a_key_bias():
     assert fused.report.counts().get("qkv_merge") == 2, fused.report.counts()
     with torch.no_grad():
         torch.testing.assert_close(fused(*args)[0], model(*args)[0], rtol=1e-4, atol=1e-4)
+
+
+class _SplitMLP(torch.nn.Module):
+    """gate_up_proj + ``split(piece, -1)``: two halves (SwiGLU) or four quarters (not)."""
+
+    def __init__(self, piece):
+        super().__init__()
+        self.gate_up = torch.nn.Linear(16, 64, bias=False)
+        self.piece = piece
+
+    def forward(self, x):
+        parts = self.gate_up(x).split(self.piece, dim=-1)
+        return parts[1] * torch.nn.functional.silu(parts[0])
+
+
+@pytest.mark.parametrize("piece, fuses", [(32, True), (16, False)])
+def test_split_into_halves_is_chunk(piece, fuses):
+    """torch.export's decompositions (a model with a KV cache: Phi-3 with use_cache=True)
+    turn ``chunk(2, -1)`` into ``split``; canonicalised back, the packed SwiGLU row matches
+    — only when the pieces are the two halves."""
+    torch.manual_seed(0)
+    model = _SplitMLP(piece).eval()
+    x = torch.randn(2, 5, 16)
+    fused = opfuse.optimize(model, (x,))
+    assert ("swiglu" in fused.report.counts()) == fuses, fused.report.counts()
+    with torch.no_grad():
+        out = fused(x)
+    parts = torch.nn.functional.linear(x.double(), model.gate_up.weight.double()).split(piece, -1)
+    torch.testing.assert_close(out.double(), parts[1] * torch.nn.functional.silu(parts[0]), rtol=1e-5, atol=1e-5)

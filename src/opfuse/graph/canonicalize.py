@@ -9,6 +9,8 @@ Passes (each a small function, applied in order by :func:`canonicalize`):
   softmax_casts     cast(softmax(cast(x, f32)), x.dtype) and cast(softmax(x, dtype=f32), x.dtype)
                     -> softmax(x) (ATen's CPU/CUDA softmax accumulates half inputs in float32;
                     verification checks the result)
+  split_to_chunk    split(x, s, d) with x.shape[d] = n·s (n ≥ 2) -> chunk(x, n, d), d counted
+                    from the end (torch.export's decompositions turn ``chunk`` into ``split``)
   addmm_to_linear   view(addmm(b, view(x, [-1, K]), W[K, N]), [..., N]) (GPT-2's Conv1D)
                     -> linear(x, Wᵀ, b) with Wᵀ a new contiguous parameter [N, K]
 
@@ -151,6 +153,35 @@ def softmax_dtype(graph: fx.Graph) -> int:
     return changed
 
 
+def split_to_chunk(graph: fx.Graph) -> int:
+    """``split.Tensor(x, s, d)`` into n ≥ 2 equal pieces -> ``chunk(x, n, d)`` with ``d``
+    negative (from the last dim), so patterns written with ``chunk(2, -1)`` match either
+    spelling at any rank."""
+    changed = 0
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in (aten.split.Tensor, aten.chunk.default):
+            continue
+        rank = _rank(node.args[0])
+        x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        if rank is None or x is None or not isinstance(dim, int):
+            continue
+        neg = dim - rank if dim >= 0 else dim
+        if node.target is aten.chunk.default:
+            if neg != dim:
+                node.args = (node.args[0], node.args[1], neg)
+                node.kwargs = {}
+                changed += 1
+            continue
+        size, piece = x.shape[dim], node.args[1]
+        if isinstance(size, int) and isinstance(piece, int) and piece > 0 and size % piece == 0 and size // piece >= 2:
+            node.target = aten.chunk.default
+            node.args = (node.args[0], size // piece, neg)
+            node.kwargs = {}
+            changed += 1
+    return changed
+
+
 def _cast_dtype(node) -> torch.dtype | None:
     """Target dtype of a cast node, None if ``node`` is not a cast."""
     if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in _CASTS):
@@ -239,6 +270,7 @@ def canonicalize(gm_or_graph) -> fx.Graph:
     normalize_dims(graph)
     softmax_dtype(graph)
     softmax_casts(graph)
+    split_to_chunk(graph)
     if isinstance(gm_or_graph, fx.GraphModule):
         addmm_to_linear(gm_or_graph)
     graph.lint()
