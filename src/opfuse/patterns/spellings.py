@@ -4,6 +4,9 @@ the same function, only spelled differently; the GELU forms stay distinct.
 
   gelu_tanh      0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))     -> aten.gelu(x, approximate="tanh")
                  (Hendrycks & Gimpel 2016, eq. for the tanh approximation; GPT-2's "gelu_new")
+  gelu_tanh_factored  x·0.5·(1 + tanh(c·x·(1 + 0.044715·x²))), c = √(2/π) or Bloom's
+                 0.79788456 (√(2/π) to 8 digits: 1e-9 relative on tanh's argument, below
+                 float32 resolution)                              -> aten.gelu(x, approximate="tanh")
   gelu_erf       x·0.5·(1 + erf(x/√2))                           -> aten.gelu(x)   (exact GELU)
   layer_norm     mean, subtract, pow(2).mean | var(unbiased=False), + eps, rsqrt | sqrt+div,
                  · γ + β                                          -> aten.layer_norm(x, [N], γ, β, eps)
@@ -30,6 +33,15 @@ def gelu_tanh_pow(x):
 
 def gelu_tanh_cube(x):
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+
+
+def gelu_tanh_factored(x):
+    return x * 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * x * (1.0 + 0.044715 * x * x)))
+
+
+def gelu_tanh_bloom(x):
+    """Bloom's ``bloom_gelu_forward`` (Megatron-DeepSpeed), its constant to 8 digits."""
+    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
 
 
 def gelu_erf(x):
@@ -131,6 +143,8 @@ _LN_LITERALS = {"other": "eps", "dim": IGNORE}
 SPELLINGS: list[Pattern] = [
     Pattern("gelu", "tanh_pow", gelu_tanh_pow, _x, _build_gelu("tanh")),
     Pattern("gelu", "tanh_cube", gelu_tanh_cube, _x, _build_gelu("tanh")),
+    Pattern("gelu", "tanh_factored", gelu_tanh_factored, _x, _build_gelu("tanh")),
+    Pattern("gelu", "tanh_bloom", gelu_tanh_bloom, _x, _build_gelu("tanh")),
     Pattern("gelu", "erf", gelu_erf, _x, _build_gelu("none")),
     Pattern("gelu", "erf_b", gelu_erf_b, _x, _build_gelu("none")),
     Pattern("layer_norm", "sqrt_div", ln_sqrt_div, _xgb, _build_ln, _check_ln_params, literals=_LN_LITERALS),
