@@ -102,7 +102,7 @@ def _zeros_like_param(gm: fx.GraphModule, a) -> bool:
 
 def fold_parameter_concats(gm: fx.GraphModule) -> int:
     """``cat`` of parameters (``get_attr``, or zeros of a parameter's dtype) -> one new
-    parameter, computed once."""
+    parameter, computed once; zeros of a parameter's dtype alone -> a zero constant."""
     folded = 0
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten.cat.default and \
@@ -125,6 +125,16 @@ def fold_parameter_concats(gm: fx.GraphModule) -> int:
             for a in parts:
                 if a.op == "call_function" and not a.users:
                     gm.graph.erase_node(a)
+            folded += 1
+    for node in list(gm.graph.nodes):  # zeros of a parameter's dtype alone (a missing bias)
+        if _zeros_like_param(gm, node):
+            name = f"opfuse_folded_{folded}_{node.name}"
+            gm.register_buffer(name, attrgetter(node.args[0].target)(gm).detach().new_zeros(node.args[1]))
+            with gm.graph.inserting_before(node):
+                new = gm.graph.get_attr(name)
+            new.meta["val"] = node.meta.get("val")
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
             folded += 1
     return folded
 

@@ -34,9 +34,10 @@ def test_falcon_multi_query_attention_fuses(attn):
         want = model(ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # Falcon's Linear is ``x @ self.weight.T``: respelled to aten.linear (4 per layer), so the
-    # GEMM patterns apply — the attention output projection + residual fuses
+    # GEMM patterns apply — its bias-less MLP (Linear → GELU → Linear) fuses as an FFN with
+    # zero biases
     assert fused.report.respelled.get("linear/matmul_T") == 8, fused.report.respelled
-    assert counts.get("out_proj_residual") == 2, counts
+    assert counts.get("ffn") == 2, counts
 
 
 class _Matmuls(torch.nn.Module):
@@ -388,3 +389,36 @@ def test_split_into_halves_is_chunk(piece, fuses):
         out = fused(x)
     parts = torch.nn.functional.linear(x.double(), model.gate_up.weight.double()).split(piece, -1)
     torch.testing.assert_close(out.double(), parts[1] * torch.nn.functional.silu(parts[0]), rtol=1e-5, atol=1e-5)
+
+
+class _BiaslessMLP(torch.nn.Module):
+    """Linear → GELU (→ Linear) with no biases (Falcon's MLP)."""
+
+    def __init__(self, second: bool, form: str = "none"):
+        super().__init__()
+        self.up = torch.nn.Linear(32, 128, bias=False)
+        self.down = torch.nn.Linear(128, 32, bias=False) if second else None
+        self.form = form
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.up(x), approximate=self.form)
+        return self.down(h) if self.down is not None else h
+
+
+@pytest.mark.parametrize("second, form, pattern", [(False, "tanh", "bias_gelu"), (True, "none", "ffn")])
+def test_gemm_epilogues_without_a_bias(second, form, pattern):
+    """A linear without a bias takes a zero bias (a folded constant) in the GELU epilogue and
+    the FFN; a weight changed after optimize still gives the new answer."""
+    torch.manual_seed(0)
+    model = _BiaslessMLP(second, form).eval()
+    x = torch.randn(4, 64, 32)
+    fused = opfuse.optimize(model, (x,))
+    assert fused.report.counts().get(pattern) == 1, fused.report.counts()
+
+    def want():
+        h = torch.nn.functional.gelu(x.double() @ model.up.weight.double().T, approximate=form)
+        return h @ model.down.weight.double().T if second else h
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x).double(), want(), rtol=1e-5, atol=1e-5)
+        model.up.weight.mul_(0.5)
+        torch.testing.assert_close(fused(x).double(), want(), rtol=1e-5, atol=1e-5)

@@ -146,9 +146,16 @@ def _example_ffn():
     return torch.randn(2, 4, 8), torch.randn(16, 8), torch.randn(16), torch.randn(8, 16), torch.randn(8)
 
 
+def _zero_bias(graph, inputs: dict, b: str, w: str, n: int):
+    """``inputs[b]``, or zeros [n] of the weight's dtype for a linear without a bias (Falcon):
+    ``x @ Wᵀ + 0`` is ``x @ Wᵀ``; the zeros are folded into a constant once."""
+    if inputs.get(b) is not None:
+        return inputs[b]
+    return graph.call_function(torch.ops.aten.new_zeros.default, (inputs[w], [int(n)]))
+
+
 def check_bias_gelu(match) -> str | None:
-    if match.inputs.get("b") is None:
-        return "linear has no bias; the epilogue kernel expects one"
+    match.params["n"] = (shape(match.inputs["w"]) or (0,))[0]
     return first_problem(check_linear(match, "x", "w", "b"), check_float(match, "x", "w"))
 
 
@@ -164,8 +171,8 @@ def check_out_proj_residual(match) -> str | None:
 
 
 def check_ffn(match) -> str | None:
-    if match.inputs.get("b1") is None or match.inputs.get("b2") is None:
-        return "a linear of the FFN has no bias; the kernel expects both"
+    match.params["n1"] = (shape(match.inputs["w1"]) or (0,))[0]
+    match.params["n2"] = (shape(match.inputs["w2"]) or (0,))[0]
     return first_problem(check_linear(match, "x", "w1", "b1"), check_float(match, "x"),
                          None if shape(match.inputs["w2"])[1] == shape(match.inputs["w1"])[0]
                          else "W2 in_features != W1 out_features")
@@ -194,15 +201,17 @@ def ffn_fused_cost(match, device) -> Cost:
 
 def _build_bias_gelu(form):
     def build(graph, inputs, literals, params):
-        return [graph.call_function(torch.ops.opfuse.linear_bias_gelu.default,
-                                    (inputs["x"], inputs["w"], inputs["b"], form))]
+        b = _zero_bias(graph, inputs, "b", "w", params["n"])
+        return [graph.call_function(torch.ops.opfuse.linear_bias_gelu.default, (inputs["x"], inputs["w"], b, form))]
     return build
 
 
 def _build_ffn(form):
     def build(graph, inputs, literals, params):
+        b1 = _zero_bias(graph, inputs, "b1", "w1", params["n1"])
+        b2 = _zero_bias(graph, inputs, "b2", "w2", params["n2"])
         return [graph.call_function(torch.ops.opfuse.ffn.default,
-                                    (inputs["x"], inputs["w1"], inputs["b1"], inputs["w2"], inputs["b2"],
+                                    (inputs["x"], inputs["w1"], b1, inputs["w2"], b2,
                                      form, int(params.get("block_rows", 256))))]
     return build
 
