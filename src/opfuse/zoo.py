@@ -36,6 +36,7 @@ class Arch:
             class name and kwargs.
     blocks: attention and MLP blocks the model has (``{"attention": 2, "mlp": 2}``): the
             denominator of the README's fused / blocks columns.
+    notes:  why a block stays unfused where the plan records no near miss.
     attns:  attention implementations tested (``"sdpa"`` only where the class supports it).
     sizes:  (batch, seq) pairs: the example the plan is made at, then a second shape
             (for images: seq is the image side in pixels; audio: the frames are fixed by
@@ -51,6 +52,7 @@ class Arch:
     sizes: tuple[tuple[int, int], ...] = ((2, 12), (3, 7))
     model_kwargs: dict | None = None
     blocks: dict | None = None
+    notes: tuple[str, ...] = ()   # known gaps with no near miss to show (the README's table)
 
     @property
     def block_counts(self) -> dict[str, int]:
@@ -90,9 +92,14 @@ class Arch:
         return (ids,), {"attention_mask": mask}
 
 
-def _row(name, kind, model, config, attns=("eager", "sdpa"), sizes=None, model_kwargs=None, blocks=None,
+def _row(name, kind, model, config, attns=("eager", "sdpa"), sizes=None, model_kwargs=None, blocks=None, notes=(),
          **kwargs) -> Arch:
-    return Arch(name, kind, model, config, kwargs, tuple(attns), sizes or Arch.sizes, model_kwargs, blocks)
+    return Arch(name, kind, model, config, kwargs, tuple(attns), sizes or Arch.sizes, model_kwargs, blocks,
+                tuple(notes))
+
+
+_QUICK_GELU = ("MLP: quick GELU x·σ(1.702x) between fc1 and fc2 — no epilogue form for it (the GELU epilogue "
+               "and FFN kernels take erf / tanh GELU)",)
 
 
 _IMG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=32,
@@ -106,10 +113,12 @@ ARCHITECTURES: tuple[Arch, ...] = (
     _row("roberta", "encoder", "RobertaModel", "RobertaConfig", **dict(SMALL, pad_token_id=1)),
     _row("albert", "encoder", "AlbertModel", "AlbertConfig", embedding_size=32, **SMALL),
     _row("electra", "encoder", "ElectraModel", "ElectraConfig", embedding_size=32, **SMALL),
-    _row("deberta-v2", "encoder", "DebertaV2Model", "DebertaV2Config", attns=("eager",), **SMALL),
+    _row("deberta-v2", "encoder", "DebertaV2Model", "DebertaV2Config", attns=("eager",),
+         notes=("attention: 3-D bmm with Kᵀ divided by a computed tensor sqrt(D·factor) and a masked_fill "
+                "keep-mask — no row for that spelling yet",), **SMALL),
     _row("modernbert", "encoder", "ModernBertModel", "ModernBertConfig",
          **dict(SMALL, global_attn_every_n_layers=2, local_attention=8, pad_token_id=0)),
-    _row("clip-text", "encoder", "CLIPTextModel", "CLIPTextConfig", hidden_size=64, intermediate_size=128,
+    _row("clip-text", "encoder", "CLIPTextModel", "CLIPTextConfig", notes=_QUICK_GELU, hidden_size=64, intermediate_size=128,
          num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=77),
     _row("t5-encoder", "encoder", "T5EncoderModel", "T5Config", d_model=64, d_ff=128, num_layers=2, num_heads=4,
          d_kv=16, vocab_size=VOCAB, feed_forward_proj="gated-gelu"),
@@ -122,7 +131,9 @@ ARCHITECTURES: tuple[Arch, ...] = (
     # decoders (default configs: use_cache=True)
     _row("gpt2", "decoder", "GPT2Model", "GPT2Config", n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB,
          n_positions=256),
-    _row("opt", "decoder", "OPTModel", "OPTConfig", hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+    _row("opt", "decoder", "OPTModel", "OPTConfig",
+         notes=("MLP: ReLU between fc1 and fc2 — no ReLU epilogue form (the epilogue kernels take GELU)",),
+         hidden_size=64, ffn_dim=128, num_hidden_layers=2,
          num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=256, word_embed_proj_dim=64),
     _row("gpt-neox", "decoder", "GPTNeoXModel", "GPTNeoXConfig", rotary_pct=0.5, **SMALL),
     _row("gptj", "decoder", "GPTJModel", "GPTJConfig", n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
@@ -140,7 +151,7 @@ ARCHITECTURES: tuple[Arch, ...] = (
     # vision
     _row("vit", "image", "ViTModel", "ViTConfig", sizes=((2, 32), (1, 32)), model_kwargs={"add_pooling_layer": False},
          **_IMG),
-    _row("clip-vision", "image", "CLIPVisionModel", "CLIPVisionConfig", sizes=((2, 32), (1, 32)), **_IMG),
+    _row("clip-vision", "image", "CLIPVisionModel", "CLIPVisionConfig", notes=_QUICK_GELU, sizes=((2, 32), (1, 32)), **_IMG),
     _row("dinov2", "image", "Dinov2Model", "Dinov2Config", sizes=((2, 32), (1, 48)), **_IMG),
     _row("swin", "image", "SwinModel", "SwinConfig", sizes=((2, 32), (1, 32)), blocks={"attention": 4, "mlp": 4}, embed_dim=16, depths=[2, 2],
          num_heads=[2, 4], window_size=4, image_size=32, patch_size=2),

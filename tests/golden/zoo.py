@@ -52,8 +52,10 @@ def unfused_reasons(fused) -> list[str]:
     one line per distinct reason with node names stripped."""
     import re
     seen: dict[str, None] = {}
-    lines = [f"{m['pattern']}: {m['reason']}" for m in fused.report.near_misses]
-    lines += [f"{r.pattern}: {r.reason}" for r in fused.report.regions
+    def line(pattern: str, reason: str) -> str:
+        return reason if reason.startswith(pattern) or reason.startswith("illegal") else f"{pattern}: {reason}"
+    lines = [line(m["pattern"], m["reason"]) for m in fused.report.near_misses]
+    lines += [line(r.pattern, r.reason) for r in fused.report.regions
               if r.decision != "fused" and r.gate == "legality"]
     for line in lines:
         line = re.sub(r" (anchored )?at [A-Za-z_]+[0-9_]*(?=[:,) ]|$)", "", line)

@@ -216,12 +216,18 @@ def check(match) -> str | None:
     else:
         shapes = {n: shape(match.inputs[n]) for n in ("q", "k", "v", "bias") if n in match.inputs}
     q, k, v = (shapes[n] for n in ("q", "k", "v"))
+    names = {n: match.inputs[n].name for n in ("q", "k", "v")}
     if not (q and k and v and len(q) == len(k) == len(v) == 4):
-        return f"Q/K/V must be 4-D [B,H,S,D]; got {q}, {k}, {v}"
-    if q[-1] != k[-1] or k[-2] != v[-2] or k[1] != v[1] or q[0] != k[0]:
-        return f"Q/K/V shapes disagree: q {list(q)}, k {list(k)}, v {list(v)}"
+        return (f"Q/K/V must be 4-D [B, H, S, D]; got q {names['q']} {q}, k {names['k']} {k}, "
+                f"v {names['v']} {v}")
+    # [B, H, S, D]: name the dim that disagrees in the model's terms
+    for what, a, b in (("head dim D", ("q", q[3]), ("k", k[3])), ("key/value sequence Sk", ("k", k[2]), ("v", v[2])),
+                       ("key/value heads", ("k", k[1]), ("v", v[1])), ("batch B", ("q", q[0]), ("k", k[0]))):
+        if a[1] != b[1]:
+            return (f"Q/K/V disagree in {what}: {a[0]} {names[a[0]]} has {a[1]}, {b[0]} {names[b[0]]} has {b[1]} "
+                    f"(q {list(q)}, k {list(k)}, v {list(v)} as [B, H, S, D])")
     if q[1] % k[1]:
-        return f"K/V heads ({k[1]}) do not divide Q heads ({q[1]})"
+        return f"key/value heads ({k[1]}, {names['k']}) do not divide query heads ({q[1]}, {names['q']})"
     dead = False
     for name in ("bias", "mask"):
         mask = match.inputs.get(name)

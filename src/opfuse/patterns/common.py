@@ -73,9 +73,10 @@ def check_linear(match, x: str, w: str, b: str | None) -> str | None:
     sw = shape(match.inputs[w])
     sx = shape(match.inputs[x])
     if sw is None or len(sw) != 2:
-        return f"weight {match.inputs[w]} is not a 2-D tensor"
+        return f"weight {match.inputs[w]} has shape {list(sw or [])}, not a 2-D [out_features, in_features] tensor"
     if sx is None or sx[-1] != sw[1]:
-        return f"input {match.inputs[x]} last dim {sx and sx[-1]} != weight in_features {sw[1]}"
+        return (f"input {match.inputs[x]} last dim (in_features) {sx and sx[-1]} != weight {match.inputs[w]} "
+                f"in_features {sw[1]}")
     if b is not None:
         return check_vector(match, b, sw[0])
     return None

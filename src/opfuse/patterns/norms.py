@@ -139,7 +139,8 @@ def _check_ln(match, x: str) -> str | None:
     if ns is None or len(ns) != 1 or sx is None or ns[0] != sx[-1]:
         return f"layer_norm normalizes over {ns}; the kernel supports only the last dim ({sx and sx[-1]})"
     if match.inputs.get("g") is None:
-        return "layer_norm has no affine weight (elementwise_affine=False); no kernel variant for it"
+        return (f"layer_norm of {match.inputs[x].name} has no affine weight (elementwise_affine=False); "
+                f"no kernel variant for it")
     eps = match.literals.get("eps")
     if not isinstance(eps, (int, float)):
         return f"eps {eps!r} is not a constant number"

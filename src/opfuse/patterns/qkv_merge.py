@@ -41,11 +41,14 @@ def check(match) -> str | None:
         if w.op != "get_attr":
             return f"weight {w.name} is computed at run time, not a parameter; cannot pre-concatenate"
     if len({val(w).dtype for w in ws}) != 1 or len({shape(w)[1] for w in ws}) != 1:
-        return "Q/K/V weights differ in dtype or in_features"
-    if any(b is not None and b.op != "get_attr" for b in bs):
-        return "a bias is computed at run time"
+        return ("Q/K/V weights differ in dtype or in_features: "
+                + ", ".join(f"{w.name} {list(shape(w))} {val(w).dtype}" for w in ws))
+    for b in bs:
+        if b is not None and b.op != "get_attr":
+            return f"bias {b.name} is computed at run time, not a parameter; cannot pre-concatenate"
     if len({val(b).dtype for b in bs if b is not None} | {val(ws[0]).dtype}) != 1:
-        return "Q/K/V biases differ in dtype from the weights"
+        return ("Q/K/V biases differ in dtype from the weights (" + str(val(ws[0]).dtype) + "): "
+                + ", ".join(f"{b.name} {val(b).dtype}" for b in bs if b is not None))
     match.params["sizes"] = [shape(w)[0] for w in ws]
     return check_float(match, "x")
 

@@ -78,7 +78,7 @@ def _check_one(match, layout: str, x: str) -> str | None:
         return f"RoPE input {match.inputs[x].name} must be [B,H,S,D], got {sx}"
     d = sx[-1]
     if d % 2:
-        return f"head dim {d} is odd"
+        return f"RoPE input {match.inputs[x].name} {list(sx)}: head dim D = {d} is odd (rotation takes pairs)"
     slices = [n for n in match.region if n.target is aten.slice.Tensor and n.args[0] is match.inputs[x]]
     spans = sorted((n.args[2] if len(n.args) > 2 else 0, min(n.args[3] if len(n.args) > 3 else d, d),
                     n.args[4] if len(n.args) > 4 else 1) for n in slices)
@@ -98,7 +98,8 @@ def _check_one(match, layout: str, x: str) -> str | None:
                     f"[B or 1, 1, S, D] with x as [B, H, S, D] (S = {sx[2]}) or [B or 1, S, 1, D] with x as "
                     f"[B, S, H, D] (S = {sx[1]})")
     if len(layouts) > 1:
-        return f"cos and sin tables are laid out differently ({sorted(layouts)})"
+        return (f"cos {match.inputs['cos'].name} {list(shape(match.inputs['cos']))} and sin {match.inputs['sin'].name} "
+                f"{list(shape(match.inputs['sin']))} are laid out differently for x {list(sx)}")
     match.params.setdefault("layouts", {})[x] = layouts.pop()
     return check_float(match, x, "cos", "sin")
 
@@ -116,10 +117,12 @@ def _check_qk(layout: str):
             return problem
         sq, sk = shape(match.inputs["q"]), shape(match.inputs["k"])
         if match.params["layouts"]["q"] != match.params["layouts"]["k"]:
-            return "q and k are laid out differently ([B, H, S, D] vs [B, S, H, D])"
+            return (f"q {match.inputs['q'].name} {list(sq)} and k {match.inputs['k'].name} {list(sk)} are laid out "
+                    f"differently (one [B, H, S, D], the other [B, S, H, D])")
         seq = 1 if match.params["layouts"]["q"] == "bshd" else 2
         if (sq[0], sq[seq]) != (sk[0], sk[seq]):
-            return f"q {list(sq)} and k {list(sk)} differ in batch or sequence length"
+            return (f"q {list(sq)} and k {list(sk)} differ in batch B ({sq[0]} vs {sk[0]}) or sequence S "
+                    f"({sq[seq]} vs {sk[seq]})")
         return None
     return check
 
