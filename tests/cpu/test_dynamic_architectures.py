@@ -9,31 +9,13 @@ import pytest
 import torch
 
 import opfuse
-
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=500,
-             max_position_embeddings=256)
-
+from opfuse import zoo
 
 def _build(name):
-    import transformers as T
-    return {
-        "distilbert": lambda: T.DistilBertModel(T.DistilBertConfig(dim=64, hidden_dim=128, n_layers=2, n_heads=4,
-                                                                   vocab_size=500)),
-        "albert": lambda: T.AlbertModel(T.AlbertConfig(embedding_size=32, **SMALL)),
-        "qwen2": lambda: T.Qwen2Model(T.Qwen2Config(num_key_value_heads=2, **SMALL)),
-        "phi3": lambda: T.Phi3Model(T.Phi3Config(num_key_value_heads=2, pad_token_id=0, **SMALL)),
-        "gemma": lambda: T.GemmaModel(T.GemmaConfig(num_key_value_heads=2, head_dim=16, **SMALL)),
-        "falcon": lambda: T.FalconModel(T.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                                       vocab_size=500)),
-        "gptj": lambda: T.GPTJModel(T.GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=500,
-                                                 n_positions=256)),
-        "bloom": lambda: T.BloomModel(T.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=500)),
-        "opt": lambda: T.OPTModel(T.OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-                                              vocab_size=500, max_position_embeddings=256, word_embed_proj_dim=64)),
-        "t5-encoder": lambda: T.T5EncoderModel(T.T5Config(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16,
-                                                          vocab_size=500)),
-        "mistral": lambda: T.MistralModel(T.MistralConfig(num_key_value_heads=2, sliding_window=8, **SMALL)),
-    }[name]().eval()
+    """The architecture tier's row (opfuse.zoo): tiny config, default settings, the
+    class's default attention implementation (SDPA where it has one)."""
+    arch = zoo.BY_NAME[name]
+    return arch.build("sdpa" if "sdpa" in arch.attns else "eager")
 
 
 def _run(name):
