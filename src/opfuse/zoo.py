@@ -113,9 +113,10 @@ ARCHITECTURES: tuple[Arch, ...] = (
     _row("roberta", "encoder", "RobertaModel", "RobertaConfig", **dict(SMALL, pad_token_id=1)),
     _row("albert", "encoder", "AlbertModel", "AlbertConfig", embedding_size=32, **SMALL),
     _row("electra", "encoder", "ElectraModel", "ElectraConfig", embedding_size=32, **SMALL),
-    _row("deberta-v2", "encoder", "DebertaV2Model", "DebertaV2Config", attns=("eager",),
-         notes=("attention: 3-D bmm with Kᵀ divided by a computed tensor sqrt(D·factor) and a masked_fill "
-                "keep-mask — no row for that spelling yet",), **SMALL),
+    _row("deberta-v2", "encoder", "DebertaV2Model", "DebertaV2Config", attns=("eager",), **SMALL),
+    _row("deberta-v3", "encoder", "DebertaV2Model", "DebertaV2Config", attns=("eager",), relative_attention=True,
+         pos_att_type=["p2c", "c2p"], position_buckets=32, max_relative_positions=-1, norm_rel_ebd="layer_norm",
+         share_att_key=True, **SMALL),
     _row("modernbert", "encoder", "ModernBertModel", "ModernBertConfig",
          **dict(SMALL, global_attn_every_n_layers=2, local_attention=8, pad_token_id=0)),
     _row("clip-text", "encoder", "CLIPTextModel", "CLIPTextConfig", notes=_QUICK_GELU, hidden_size=64, intermediate_size=128,

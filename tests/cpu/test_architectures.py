@@ -422,3 +422,54 @@ def test_gemm_epilogues_without_a_bias(second, form, pattern):
         torch.testing.assert_close(fused(x).double(), want(), rtol=1e-5, atol=1e-5)
         model.up.weight.mul_(0.5)
         torch.testing.assert_close(fused(x).double(), want(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name, variant", [("deberta-v2", "bmm_kscaled_fill"), ("deberta-v3", "bmm_kscaled_bias_fill")])
+def test_deberta_attention_on_3d_bmm_fuses(name, variant):
+    """DeBERTa-v2: Kᵀ / sqrt(tensor(D)·factor) (a constant, canonicalised to a scale), 3-D
+    bmm, masked_fill(~keep, finfo.min) on the 4-D view; v3-style relative attention adds the
+    disentangled c2p + p2c bias [B·H, S, S] first. One attention per layer, equal to eager."""
+    from opfuse import zoo
+    arch = zoo.BY_NAME[name]
+    model = arch.build("eager")
+    args, kwargs = arch.inputs(model, 2, 12)
+    fused = opfuse.optimize(model, args, example_kwargs=kwargs)
+    assert [r.variant for r in fused.report.fused if r.pattern == "attention"] == [variant] * 2
+    with torch.no_grad():
+        torch.testing.assert_close(fused(*args, **kwargs)[0], model(*args, **kwargs)[0], rtol=1e-4, atol=1e-4)
+
+
+class _BmmFill(torch.nn.Module):
+    """DeBERTa's spelling with a given fill value and a scale tensor (constant or an input)."""
+
+    def __init__(self, fill, constant_scale=True):
+        super().__init__()
+        self.fill, self.constant_scale = fill, constant_scale
+
+    def forward(self, q, k, v, keep, d):
+        scale = torch.sqrt(torch.tensor(8.0) * 2) if self.constant_scale else torch.sqrt(d)
+        scores = torch.bmm(q, k.transpose(-1, -2) / scale)
+        probs = torch.softmax(scores.view(2, 3, 24, 24).masked_fill(~keep, self.fill), -1)
+        return torch.bmm(probs.view(6, 24, 24), v)
+
+
+@pytest.mark.parametrize("fill, constant_scale, fuses", [
+    (torch.finfo(torch.float32).min, True, True),
+    (0.0, True, False),                             # masked_fill with 0: not a mask (it changes the result)
+    (torch.finfo(torch.float32).min, False, False),  # the scale is a run-time tensor: stays a div
+])
+def test_bmm_masked_fill_attention(fill, constant_scale, fuses):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(6, 24, 8), torch.randn(6, 24, 8), torch.randn(6, 24, 8)
+    keep = torch.ones(2, 1, 24, 24, dtype=torch.bool)
+    keep[1, ..., 20:] = False
+    d = torch.tensor(16.0)
+    model = _BmmFill(fill, constant_scale).eval()
+    fused = opfuse.optimize(model, (q, k, v, keep, d))
+    assert ("attention" in fused.report.counts()) == fuses, [(r.pattern, r.reason) for r in fused.report.regions]
+    with torch.no_grad():
+        out = fused(q, k, v, keep, d)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    scores = (q64 @ k64.transpose(-1, -2) / 4.0).view(2, 3, 24, 24).masked_fill(~keep, fill)
+    want = torch.softmax(scores, -1).view(6, 24, 24) @ v64
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)

@@ -9,6 +9,8 @@ Passes (each a small function, applied in order by :func:`canonicalize`):
   softmax_casts     cast(softmax(cast(x, f32)), x.dtype) and cast(softmax(x, dtype=f32), x.dtype)
                     -> softmax(x) (ATen's CPU/CUDA softmax accumulates half inputs in float32;
                     verification checks the result)
+  constant_divs     x / c with c a 0-d tensor computed from constants only (DeBERTa's
+                    ``kᵀ / sqrt(tensor(D) · factor)``) -> x * (1/c)
   split_to_chunk    split(x, s, d) with x.shape[d] = n·s (n ≥ 2) -> chunk(x, n, d), d counted
                     from the end (torch.export's decompositions turn ``chunk`` into ``split``)
   addmm_to_linear   view(addmm(b, view(x, [-1, K]), W[K, N]), [..., N]) (GPT-2's Conv1D)
@@ -19,6 +21,7 @@ Erf-GELU and tanh-GELU are deliberately NOT unified: they are different function
 
 from __future__ import annotations
 
+import math
 from operator import attrgetter
 
 import torch
@@ -153,6 +156,47 @@ def softmax_dtype(graph: fx.Graph) -> int:
     return changed
 
 
+_CONSTANT_OPS = {aten.sqrt.default, aten.rsqrt.default, aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor,
+                 aten.sub.Tensor, aten.reciprocal.default, aten.pow.Tensor_Scalar, aten._to_copy.default,
+                 aten.to.dtype} | _IDENTITY
+
+
+def _constant_value(gm: fx.GraphModule, node, depth: int = 0):
+    """The value of ``node`` when it is computed from unwritten constant tensors of at most
+    one element and Python numbers only (else None): evaluated here, once."""
+    if not isinstance(node, fx.Node):
+        return node if isinstance(node, (int, float)) and not isinstance(node, bool) else None
+    if depth > 8:
+        return None
+    if node.op == "get_attr" and foldable(gm, node):
+        value = attrgetter(node.target)(gm)
+        return value.detach() if isinstance(value, torch.Tensor) and value.numel() == 1 else None
+    if node.op != "call_function" or node.target not in _CONSTANT_OPS:
+        return None
+    args = [_constant_value(gm, a, depth + 1) for a in node.args]
+    if any(v is None for v in args) or not any(isinstance(v, torch.Tensor) for v in args):
+        return None
+    with torch.no_grad():
+        return node.target(*args, **node.kwargs)
+
+
+def constant_divs(gm: fx.GraphModule) -> int:
+    """``div.Tensor(x, c)`` with ``c`` a one-element constant computed from constants ->
+    ``mul(x, 1/c)`` (a number), so the scale binds as a literal like ``x / math.sqrt(d)``."""
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.div.Tensor or node.kwargs.get("rounding_mode") \
+                or not isinstance(node.args[1], fx.Node):
+            continue
+        c = _constant_value(gm, node.args[1])
+        if isinstance(c, torch.Tensor) and c.dim() == 0 and c.is_floating_point() and float(c) != 0.0 \
+                and math.isfinite(float(c)):
+            node.target = aten.mul.Tensor
+            node.args = (node.args[0], 1.0 / float(c))
+            changed += 1
+    return changed
+
+
 def split_to_chunk(graph: fx.Graph) -> int:
     """``split.Tensor(x, s, d)`` into n ≥ 2 equal pieces -> ``chunk(x, n, d)`` with ``d``
     negative (from the last dim), so patterns written with ``chunk(2, -1)`` match either
@@ -272,6 +316,7 @@ def canonicalize(gm_or_graph) -> fx.Graph:
     softmax_casts(graph)
     split_to_chunk(graph)
     if isinstance(gm_or_graph, fx.GraphModule):
+        constant_divs(gm_or_graph)
         addmm_to_linear(gm_or_graph)
     graph.lint()
     if isinstance(gm_or_graph, fx.GraphModule):

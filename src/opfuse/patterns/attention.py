@@ -116,6 +116,32 @@ def bmm_alibi(q, k, v, bias, mask):
     return torch.bmm(probs.view(4, 4, 4), v)
 
 
+def bmm_kscaled_fill(q, k, v, mask):
+    """DeBERTa-v2 on 3-D [B·H, S, D]: Kᵀ scaled (its ``/ sqrt(tensor(D)·factor)``, a
+    constant after canonicalisation), ``masked_fill(~keep, finfo.min)`` on the 4-D view."""
+    scores = torch.bmm(q, k.transpose(-1, -2) * _SCALE)
+    probs = torch.softmax(scores.view(2, 2, 4, 4).masked_fill(~mask, _FILL), dim=-1)
+    return torch.bmm(probs.view(4, 4, 4), v)
+
+
+def bmm_kscaled_bias_fill(q, k, v, bias, mask):
+    """DeBERTa-v2 with relative attention: the disentangled c2p / p2c bias [B·H, Sq, Sk]
+    added to the scores before the view."""
+    scores = torch.bmm(q, k.transpose(-1, -2) * _SCALE) + bias
+    probs = torch.softmax(scores.view(2, 2, 4, 4).masked_fill(~mask, _FILL), dim=-1)
+    return torch.bmm(probs.view(4, 4, 4), v)
+
+
+def _bmm_fill_example():
+    q, k, v = torch.randn(4, 4, 8), torch.randn(4, 4, 8), torch.randn(4, 4, 8)
+    return q, k, v, torch.ones(2, 1, 4, 4, dtype=torch.bool)
+
+
+def _bmm_bias_fill_example():
+    q, k, v, mask = _bmm_fill_example()
+    return q, k, v, torch.randn(4, 4, 4), mask
+
+
 def _bmm_example():
     q, k, v = torch.randn(4, 4, 8), torch.randn(4, 4, 8), torch.randn(4, 4, 8)
     return q, k, v, torch.randn(4, 1, 4), torch.randn(2, 1, 4, 4)
@@ -187,7 +213,8 @@ def _bmm_shapes(match) -> tuple[dict, str | None]:
                                                            torch.ops.aten._unsafe_view.default,
                                                            torch.ops.aten.reshape.default)]
     four = next((sv for sv in views if sv is not None and len(sv) == 4), None)
-    q3, k3, v3, b3 = (shape(match.inputs[n]) for n in ("q", "k", "v", "bias"))
+    q3, k3, v3 = (shape(match.inputs[n]) for n in ("q", "k", "v"))
+    b3 = shape(match.inputs["bias"]) if "bias" in match.inputs else (1, 1, 1)
     if four is None or not (q3 and k3 and v3 and b3) or not (len(q3) == len(k3) == len(v3) == 3):
         return {}, f"3-D attention: q/k/v {q3}, {k3}, {v3} are not [B·H, S, D] beside a [B, H, Sq, Sk] view"
     batch, heads = four[0], four[1]
@@ -201,7 +228,8 @@ def _bmm_shapes(match) -> tuple[dict, str | None]:
     match.params["heads"] = heads
     match.params["bias_per_head"] = b3[0] != 1
     out = {n: (batch, heads, *shape(match.inputs[n])[1:]) for n in ("q", "k", "v")}
-    out["bias"] = ((batch, heads) if b3[0] != 1 else (1, 1)) + tuple(b3[1:])
+    if "bias" in match.inputs:
+        out["bias"] = ((batch, heads) if b3[0] != 1 else (1, 1)) + tuple(b3[1:])
     return out, None
 
 
@@ -249,7 +277,10 @@ def check(match) -> str | None:
             return f"{name} {mask.name} is {mv.dtype} but added to the scores (+0/+1), not a keep/drop mask"
         # eager softmax of a fully masked (-inf) row is NaN; the SDPA kernel returns 0 there.
         # Masks built by where(cond, 0, finite fill) (HF's finfo.min masks) never hold -inf.
-        dead = dead or (not match.pattern.retarget and not _finite_mask(mask))
+        unsure = not match.pattern.retarget and not _finite_mask(mask)
+        dead = dead or unsure
+        if name == "bias":
+            match.params["bias_may_be_inf"] = unsure
     if "mask" in match.inputs:
         match.params["dead_rows_nan"] = dead
     beta = match.literals.get("beta", 1.0)
@@ -275,7 +306,7 @@ def check(match) -> str | None:
             return (f"where-masked attention in {qdtype}: a fully masked row would differ from eager "
                     f"(fill {fill} is not representable); left unfused")
         match.params["fill"] = float(fill)
-        match.params["dead_rows_nan"] = math.isinf(fill)
+        match.params["dead_rows_nan"] = math.isinf(fill) or match.params.get("bias_may_be_inf", False)
     match.params["is_causal"] = bool(match.literals.get("is_causal", False))
     if match.literals.get("enable_gqa", False) is False and q[1] != k[1] and k[1] != 1 \
             and match.pattern.variant.startswith("sdpa") and not match.pattern.variant.endswith("_gqa"):
@@ -297,13 +328,13 @@ def build(graph, inputs, literals, params):
             bias = graph.call_function(aten.unflatten.int, (bias, 0, [-1, heads]))
         if params.get("beta", 1.0) != 1.0:
             bias = graph.call_function(aten.mul.Tensor, (bias, params["beta"]))
-    if bias is not None:  # one additive mask: bias + mask, at their broadcast shape
-        mask = graph.call_function(aten.add.Tensor, (bias, mask))
     if "fill" in params:
         # where(keep, scores, fill) -> additive float32 mask 0 / fill over the (small, broadcast)
         # mask shape: identical to eager, fully masked rows included (finfo.min: the mean of V;
         # -inf: NaN, restored below), which a boolean SDPA mask would not give (it returns 0)
         mask = graph.call_function(aten.where.Scalar, (mask, 0.0, params["fill"]))
+    if bias is not None:  # one additive mask: bias + mask, at their broadcast shape
+        mask = graph.call_function(aten.add.Tensor, (bias, mask))
     out = graph.call_function(op, (q, k, v, mask, params["scale"], params["is_causal"]))
     if params.get("dead_rows_nan"):  # keep eager's NaN for query rows whose mask is all -inf
         dead = graph.call_function(aten.all.dim, (graph.call_function(aten.isneginf.default, (mask,)), -1, True))
@@ -334,6 +365,7 @@ _SDPA_LITERALS = {"scale": "scale", "is_causal": "is_causal", "dropout_p": "drop
                   "enable_gqa": "enable_gqa"}
 _EAGER_LITERALS = {"other": "scale", "where.other": "fill"}
 _BMM_LITERALS = {"baddbmm.alpha": "scale", "baddbmm.beta": "beta"}
+_BMM_FILL_LITERALS = {"mul.other": "scale", "masked_fill.value": "fill"}
 
 _ROWS = [
         ("eager_scaled_mask", eager_scaled_mask, True, _EAGER_LITERALS, False),
@@ -348,16 +380,19 @@ _ROWS = [
         ("eager_scaled_bias", eager_scaled_bias, "bias", _EAGER_LITERALS, False),
         ("eager_unscaled_bias", eager_unscaled_bias, "bias", _EAGER_LITERALS, False),
         ("bmm_alibi", bmm_alibi, "bmm", _BMM_LITERALS, False),
+        ("bmm_kscaled_fill", bmm_kscaled_fill, "bmm_fill", _BMM_FILL_LITERALS, False),
+        ("bmm_kscaled_bias_fill", bmm_kscaled_bias_fill, "bmm_bias_fill", _BMM_FILL_LITERALS, False),
         ("sdpa_mask", sdpa_mask, True, _SDPA_LITERALS, True),
         ("sdpa", sdpa, False, _SDPA_LITERALS, True),
 ]
 
-_EXAMPLES = {"bool": _bool_mask_example, "bias": _bias_example, "bmm": _bmm_example}
+_EXAMPLES = {"bool": _bool_mask_example, "bias": _bias_example, "bmm": _bmm_example, "bmm_fill": _bmm_fill_example,
+             "bmm_bias_fill": _bmm_bias_fill_example}
 
 PATTERNS = [
     Pattern("attention", variant, fn, _EXAMPLES.get(mask, lambda m=mask: _qkv_example(m)),
             build, check, literals=literals, retarget=retarget,
-            fused_cost=bias_mask_cost if mask in ("bias", "bmm") else None)
+            fused_cost=bias_mask_cost if mask in ("bias", "bmm", "bmm_bias_fill") else None)
     for variant, fn, mask, literals, retarget in _ROWS
 ] + [  # grouped-query rows: K/V repeated by expand+reshape in the source, mapped by index in the kernel
     Pattern("attention", variant + "_gqa", _gqa(fn, bool(mask)), lambda m=mask: _gqa_example(m), build, check,
