@@ -86,10 +86,11 @@ def cmd_optimize(ns, console: Console, explain_only: bool = False) -> int:
         loaded = load(ns.model, batch=ns.batch, seq=ns.seq, attn=ns.attn)
     with console.status("capture → match → cost" + ("" if explain_only else " → verify → rewrite")):
         if explain_only:
-            report = opfuse.explain(loaded.model, loaded.args, theta=ns.theta, name=ns.model)
+            report = opfuse.explain(loaded.model, loaded.args, theta=ns.theta, name=ns.model,
+                                    example_kwargs=loaded.kwargs)
         else:
             fused = opfuse.optimize(loaded.model, loaded.args, theta=ns.theta, name=ns.model,
-                                    dynamic=bool(getattr(ns, "dynamic", False)))
+                                    example_kwargs=loaded.kwargs, dynamic=bool(getattr(ns, "dynamic", False)))
             report = fused.report
     print_report(report, console, limit=None if ns.all else 40)
     if not explain_only and getattr(ns, "save", None):
@@ -244,7 +245,8 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--report", metavar="PATH", help="also write the HTML report (graph, table, plots)")
     for name in ("optimize", "explain"):
         p = sub.add_parser(name, help=f"{name} MODEL and print the report")
-        p.add_argument("model", help="minilm, bert-base, gpt2, llama, vit, bert-tiny, gpt2-tiny, llama-tiny, vit-tiny "
+        p.add_argument("model", help="minilm, bert-base, gpt2, llama, vit, bert-tiny, gpt2-tiny, llama-tiny, vit-tiny, "
+                                     "an architecture of the tier (bloom, gemma, deberta-v3, …: opfuse.zoo) "
                                      "or a local Hugging Face directory")
         p.add_argument("--theta", type=float, default=0.3)
         p.add_argument("--batch", type=int, default=8)
@@ -264,7 +266,8 @@ def parser() -> argparse.ArgumentParser:
     ld.add_argument("--repeat", type=int, default=10)
     ld.add_argument("--all", action="store_true", help="list every region")
     b = sub.add_parser("bench", help="latency of opfuse vs eager, torch.compile and ONNX Runtime on MODEL")
-    b.add_argument("model", help="minilm, bert-base, gpt2, llama (or any name opfuse.models.load knows)")
+    b.add_argument("model", help="minilm, bert-base, gpt2, llama, an architecture of the tier (bloom, gemma, "
+                                 "deberta-v3, …: opfuse.zoo) or any name opfuse.models.load knows")
     b.add_argument("--against", default="eager,inductor,ort,openvino",
                    help="comma list of eager, opfuse-aten (opfuse with eager's GEMMs), inductor, ort (brings ort-opt), "
                         "openvino (f32; brings openvino-default, the device's default precision)")

@@ -75,6 +75,11 @@ class Loaded:
     tokenizer: object | None = None
 
 
+def _zoo_names() -> tuple[str, ...]:
+    from .zoo import ARCHITECTURES
+    return tuple(a.name for a in ARCHITECTURES)
+
+
 def minilm_dir() -> Path:
     """Directory of the packaged all-MiniLM-L6-v2 (config, tokenizer, safetensors)."""
     try:
@@ -148,10 +153,17 @@ def load(name: str, batch: int = 8, seq: int = 128, attn: str = "eager", seed: i
         vocab = model.config.vocab_size
         if name.startswith(("gpt2", "llama")):  # causal LMs: no padding in the example batch
             return Loaded(model, (torch.randint(0, vocab, (batch, seq)),), {}, name)
+    elif name in _zoo_names():  # the architecture tier's tiny configs (opfuse.zoo)
+        from .zoo import BY_NAME
+        arch = BY_NAME[name]
+        model = arch.build(attn if attn in arch.attns else arch.attns[0])
+        args, kwargs = arch.inputs(model, batch, seq, seed=seed)
+        return Loaded(model, args, kwargs, name)
     else:
         if "/" in name or name.startswith("."):
             raise ModelNotFound(f"model directory {name!r} does not exist")
-        raise ModelNotFound(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)} or a local HF directory")
+        raise ModelNotFound(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}, the architecture tier's "
+                            f"{', '.join(_zoo_names())} or a local HF directory")
     ids = torch.randint(0, vocab, (batch, seq))
     mask = torch.ones(batch, seq, dtype=torch.long)
     if batch > 1:

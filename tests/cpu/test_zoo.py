@@ -81,3 +81,18 @@ def test_tier_covers_the_issue_list():
     assert set(GOLDEN) == {golden_zoo.key(a, t) for a, t in CASES}
     sdpa = {a.name for a in zoo.ARCHITECTURES if "sdpa" in a.attns}
     assert {"bloom", "deberta-v2", "deberta-v3"}.isdisjoint(sdpa)  # transformers has no SDPA path for these
+
+
+def test_cli_explains_a_tier_architecture(tmp_path):
+    """``opfuse explain bloom`` (and ``optimize``) build the tier's row with its padded
+    inputs: the plan fuses Bloom's ALiBi attention; an unknown name lists the tier's names."""
+    from opfuse.cli import main
+    from opfuse.models import ModelNotFound, load
+    out = tmp_path / "bloom.json"
+    assert main(["explain", "bloom", "--batch", "2", "--seq", "12", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert sum(r["decision"] == "fused" and r["pattern"] == "attention" for r in data["regions"]) == 2
+    loaded = load("gemma", batch=2, seq=12, attn="sdpa")
+    assert set(loaded.kwargs) == {"attention_mask"} and loaded.model.config._attn_implementation == "sdpa"
+    with pytest.raises(ModelNotFound, match="deberta-v3"):
+        load("no-such-model")
