@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cost.model import Cost, fused_cost
+from ..graph.meta import concrete
 from .common import check_float, first_problem, shape, val
 from .engine import IGNORE, Pattern
 
@@ -351,13 +352,13 @@ def bias_mask_cost(match, device) -> Cost:
     base = fused_cost(match.region, list(match.outputs))
     q, k = shape(match.inputs["q"]), shape(match.inputs["k"])
     heads = match.params.get("heads")
-    if heads:  # 3-D row: [B·H, S, D]
+    if heads:  # 3-D row: [B·H, Sq, Sk]
         sizes = (q[0], q[1], k[1])
-    else:
-        b, m = shape(match.inputs["bias"]), shape(match.inputs["mask"])
-        full = torch.broadcast_shapes(b, m, (1, 1, 1, 1))
-        sizes = tuple(full)
-    elems = math.prod(int(d) if isinstance(d, int) else 1 for d in sizes)
+    else:  # the broadcast of bias and mask, dim by dim (4-D)
+        b, m = (tuple(concrete(d) for d in shape(match.inputs[n])) for n in ("bias", "mask"))
+        b, m = (1,) * (4 - len(b)) + b, (1,) * (4 - len(m)) + m
+        sizes = tuple(max(x, y) for x, y in zip(b, m))
+    elems = math.prod(concrete(d) for d in sizes)
     return base + Cost(0, 4 * elems, 4 * elems)
 
 
