@@ -40,7 +40,7 @@ from operator import attrgetter
 import torch
 from torch import fx
 
-from .cost.device import cpu_model, load_cache, save_cache
+from .cost.device import busy, cpu_model, load_cache, save_cache
 from .graph.meta import concrete as as_int
 from .graph.state import foldable, note_derived
 from .rewrite import drop_unused_parameters
@@ -218,7 +218,9 @@ def choose(site: Site, args: list, backends: list[GemmBackend], cache: dict,
            + ", ".join(sig(a) for a in args) + ") | " + ",".join(be.name for be in backends))
     times = cache.get(key)
     if times is None:
-        times = cache[key] = measure(site, concrete() if concrete else args, backends)
+        times = measure(site, concrete() if concrete else args, backends)
+        if busy() is None:  # timings of a machine shared with other work are used, never stored
+            cache[key] = times
     base = times["aten"]
     best = min(times, key=times.__getitem__)
     if best != "aten" and times[best] <= base * (1 - MARGIN):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .cost.device import cpu_model, load_cache, save_cache
+from .cost.device import busy, cpu_model, load_cache, save_cache
 from .cost.select import select
 from .graph.meta import input_signature
 
@@ -110,8 +110,11 @@ def decide_by_time(cands: list, env: dict, theta: float, timer: Callable | None 
                 tf, tu = cache[key]
             else:
                 tf, tu = timer(c, env)
-                if math.isfinite(tf):
+                noisy = busy()
+                if math.isfinite(tf) and noisy is None:
                     cache[key] = [tf, tu]
+                elif noisy is not None:
+                    c.extra["busy"] = noisy
             c.extra["measured"] = {"fused_s": tf, "unfused_s": tu}
             if tf >= tu * (1.0 - MARGIN):
                 slower.append(c)
@@ -131,6 +134,8 @@ def decide_by_time(cands: list, env: dict, theta: float, timer: Callable | None 
         if c.decision == "fused" and "measured" in c.extra:
             tf, tu = c.extra["measured"]["fused_s"], c.extra["measured"]["unfused_s"]
             c.reason += f"; measured fused {tf * 1e6:.1f} µs < unfused {tu * 1e6:.1f} µs"
+        if c.extra.get("busy"):
+            c.reason += f" (timed while the machine was busy: {c.extra['busy']}; not cached)"
     if len(cache) != size:
         save_cache(CACHE, cache)
     return rejected

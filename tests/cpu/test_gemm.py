@@ -85,6 +85,14 @@ def test_auto_choice_follows_timings_with_margin():
     assert name == "aten" and "within 3%" in reason
 
 
+def test_gemm_timings_of_a_busy_machine_are_not_cached(monkeypatch):
+    monkeypatch.setattr(gemm, "busy", lambda: "load average 3.0 on 2 CPUs")
+    site = gemm.sites()[torch.ops.aten.linear.default]
+    cache = {}
+    name, times, _ = gemm.choose(site, [torch.randn(8, 16), torch.randn(4, 16), None], gemm.BACKENDS, cache)
+    assert name in times and cache == {}  # used for this choice, not stored
+
+
 def test_measure_drops_a_backend_with_wrong_values():
     site = gemm.sites()[torch.ops.aten.linear.default]
     wrong = gemm.GemmBackend("wrong", lambda: True, replace={"linear": lambda x, w, b, a: F.linear(x, w, b) + 1e-2})

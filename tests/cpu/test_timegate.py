@@ -96,6 +96,26 @@ def test_timings_are_cached_per_shape(monkeypatch):
     assert timer.calls == ["add_layernorm"] * 2  # another shape is measured
 
 
+@pytest.mark.parametrize("load, cached", [(0.9, True), (2.9, False)])
+def test_timings_taken_on_a_busy_machine_are_not_cached(monkeypatch, load, cached):
+    """A timing taken while other work shares the CPUs (load average above the usable CPUs)
+    decides this optimize but is not stored: the next optimize measures again."""
+    import os
+
+    from opfuse.cost import device
+    monkeypatch.setattr(timegate, "busy", device.busy)  # the real check (conftest stubs it)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    timer = _timer({"add_layernorm": (1e-5, 3e-5)})
+    monkeypatch.setattr(timegate, "measure_region", timer)
+    args = (torch.randn(8, 32), torch.randn(8, 32))
+    first = opfuse.optimize(AddLN().eval(), args, decide="time")
+    opfuse.optimize(AddLN().eval(), args, decide="time")
+    assert timer.calls == ["add_layernorm"] * (1 if cached else 2)
+    assert ("busy" in first.report.fused[0].reason) == (not cached), first.report.fused[0].reason
+    assert device.busy() == (None if cached else "load average 2.9 on 2 CPUs")
+
+
 def test_real_measurement_records_times():
     fused = opfuse.optimize(AddLN().eval(), (torch.randn(256, 32), torch.randn(256, 32)), decide="time")
     (region,) = fused.report.regions
