@@ -100,6 +100,27 @@ def _zeros_like_param(gm: fx.GraphModule, a) -> bool:
         and all(isinstance(d, int) for d in a.args[1])
 
 
+def _zeros_value(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor:
+    return attrgetter(node.args[0].target)(gm).detach().new_zeros(node.args[1])
+
+
+def _replace_by_buffer(gm: fx.GraphModule, node: fx.Node, name: str, value: torch.Tensor,
+                       sources: list[str]) -> None:
+    """Register ``value`` as buffer ``name`` (derived from ``sources``) and read it where
+    ``node`` was; ``node`` and its inputs left without users are erased."""
+    gm.register_buffer(name, value)
+    note_derived(gm, name, sources)
+    with gm.graph.inserting_before(node):
+        new = gm.graph.get_attr(name)
+    new.meta["val"] = node.meta.get("val")
+    parts = list(node.all_input_nodes)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    for a in parts:
+        if a.op == "call_function" and not a.users:
+            gm.graph.erase_node(a)
+
+
 def fold_parameter_concats(gm: fx.GraphModule) -> int:
     """``cat`` of parameters (``get_attr``, or zeros of a parameter's dtype) -> one new
     parameter, computed once; zeros of a parameter's dtype alone -> a zero constant."""
@@ -107,34 +128,15 @@ def fold_parameter_concats(gm: fx.GraphModule) -> int:
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten.cat.default and \
                 all(isinstance(a, fx.Node) and (foldable(gm, a) or _zeros_like_param(gm, a)) for a in node.args[0]):
-            def value_of(a):
-                if a.op == "get_attr":
-                    return attrgetter(a.target)(gm).detach()
-                return attrgetter(a.args[0].target)(gm).detach().new_zeros(a.args[1])
             with torch.no_grad():
-                value = torch.cat([value_of(a) for a in node.args[0]], *node.args[1:])
-            name = f"opfuse_folded_{folded}_{node.name}"
-            gm.register_buffer(name, value)
-            note_derived(gm, name, [a.target for a in node.args[0] if a.op == "get_attr"])
-            with gm.graph.inserting_before(node):
-                new = gm.graph.get_attr(name)
-            new.meta["val"] = node.meta.get("val")
-            parts = list(node.args[0])
-            node.replace_all_uses_with(new)
-            gm.graph.erase_node(node)
-            for a in parts:
-                if a.op == "call_function" and not a.users:
-                    gm.graph.erase_node(a)
+                value = torch.cat([attrgetter(a.target)(gm).detach() if a.op == "get_attr" else _zeros_value(gm, a)
+                                   for a in node.args[0]], *node.args[1:])
+            _replace_by_buffer(gm, node, f"opfuse_folded_{folded}_{node.name}", value,
+                               [a.target for a in node.args[0] if a.op == "get_attr"])
             folded += 1
     for node in list(gm.graph.nodes):  # zeros of a parameter's dtype alone (a missing bias)
         if _zeros_like_param(gm, node):
-            name = f"opfuse_folded_{folded}_{node.name}"
-            gm.register_buffer(name, attrgetter(node.args[0].target)(gm).detach().new_zeros(node.args[1]))
-            with gm.graph.inserting_before(node):
-                new = gm.graph.get_attr(name)
-            new.meta["val"] = node.meta.get("val")
-            node.replace_all_uses_with(new)
-            gm.graph.erase_node(node)
+            _replace_by_buffer(gm, node, f"opfuse_folded_{folded}_{node.name}", _zeros_value(gm, node), [])
             folded += 1
     return folded
 

@@ -69,6 +69,12 @@ def vector_inputs(graph: fx.Graph, inputs: dict, params: dict) -> dict:
     return out
 
 
+def zeros_vector(graph: fx.Graph, like: fx.Node, n: int) -> fx.Node:
+    """``new_zeros(like, [n])``: zeros [n] of ``like``'s dtype, the bias of a linear that has
+    none (``x @ Wᵀ + 0`` is ``x @ Wᵀ``); the rewrite folds it into a constant once."""
+    return graph.call_function(torch.ops.aten.new_zeros.default, (like, [int(n)]))
+
+
 def check_linear(match, x: str, w: str, b: str | None) -> str | None:
     sw = shape(match.inputs[w])
     sx = shape(match.inputs[x])

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from ..cost.model import Cost, tensor_bytes, unfused_cost
 from ..graph.meta import concrete
-from .common import check_float, check_linear, check_same_shape, first_problem, shape, val
+from .common import check_float, check_linear, check_same_shape, first_problem, shape, val, zeros_vector
 from .engine import Pattern
 
 
@@ -147,11 +147,8 @@ def _example_ffn():
 
 
 def _zero_bias(graph, inputs: dict, b: str, w: str, n: int):
-    """``inputs[b]``, or zeros [n] of the weight's dtype for a linear without a bias (Falcon):
-    ``x @ Wᵀ + 0`` is ``x @ Wᵀ``; the zeros are folded into a constant once."""
-    if inputs.get(b) is not None:
-        return inputs[b]
-    return graph.call_function(torch.ops.aten.new_zeros.default, (inputs[w], [int(n)]))
+    """``inputs[b]``, or zeros [n] of the weight's dtype for a linear without a bias (Falcon)."""
+    return inputs[b] if inputs.get(b) is not None else zeros_vector(graph, inputs[w], n)
 
 
 def check_bias_gelu(match) -> str | None:

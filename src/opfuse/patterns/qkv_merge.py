@@ -20,7 +20,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from .common import check_float, first_problem, shape, val
+from .common import check_float, first_problem, shape, val, zeros_vector
 from .engine import Pattern
 
 aten = torch.ops.aten
@@ -59,8 +59,7 @@ def build(graph, inputs, literals, params):
     biases = [inputs["bq"], inputs["bk"], inputs["bv"]]
     if any(x is not None for x in biases):  # a missing bias is zeros (folded with the others)
         like = next(x for x in biases if x is not None)
-        biases = [x if x is not None else graph.call_function(aten.new_zeros.default, (like, [n]))
-                  for x, n in zip(biases, params["sizes"])]
+        biases = [x if x is not None else zeros_vector(graph, like, n) for x, n in zip(biases, params["sizes"])]
         b = graph.call_function(aten.cat.default, (biases, 0))
     y = graph.call_function(aten.linear.default, (inputs["x"], w, b))
     parts = graph.call_function(aten.split_with_sizes.default, (y, params["sizes"], -1))
