@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from . import zoo
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -73,11 +75,6 @@ class Loaded:
     kwargs: dict
     name: str
     tokenizer: object | None = None
-
-
-def _zoo_names() -> tuple[str, ...]:
-    from .zoo import ARCHITECTURES
-    return tuple(a.name for a in ARCHITECTURES)
 
 
 def minilm_dir() -> Path:
@@ -153,9 +150,8 @@ def load(name: str, batch: int = 8, seq: int = 128, attn: str = "eager", seed: i
         vocab = model.config.vocab_size
         if name.startswith(("gpt2", "llama")):  # causal LMs: no padding in the example batch
             return Loaded(model, (torch.randint(0, vocab, (batch, seq)),), {}, name)
-    elif name in _zoo_names():  # the architecture tier's tiny configs (opfuse.zoo)
-        from .zoo import BY_NAME
-        arch = BY_NAME[name]
+    elif name in zoo.BY_NAME:  # the architecture tier's tiny configs
+        arch = zoo.BY_NAME[name]
         model = arch.build(attn if attn in arch.attns else arch.attns[0])
         args, kwargs = arch.inputs(model, batch, seq, seed=seed)
         return Loaded(model, args, kwargs, name)
@@ -163,7 +159,7 @@ def load(name: str, batch: int = 8, seq: int = 128, attn: str = "eager", seed: i
         if "/" in name or name.startswith("."):
             raise ModelNotFound(f"model directory {name!r} does not exist")
         raise ModelNotFound(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}, the architecture tier's "
-                            f"{', '.join(_zoo_names())} or a local HF directory")
+                            f"{', '.join(zoo.BY_NAME)} or a local HF directory")
     ids = torch.randint(0, vocab, (batch, seq))
     mask = torch.ones(batch, seq, dtype=torch.long)
     if batch > 1:

@@ -25,24 +25,16 @@ from opfuse.kernels.registry import register
 
 
 @njit(parallel=True, error_model="numpy", cache=True)
-def _geglu_erf_kernel(h, out):
+def _geglu_kernel(h, out, use_tanh):
     # h: [M, 2H] f32 GEMM result, gate in [:, :H], up in [:, H:]; out: [M, H] f32
     hidden = out.shape[1]
     for i in prange(h.shape[0]):
-        for j in range(hidden):  # read 2H, write H
-            out[i, j] = _math.gelu_erf_f32(h[i, j]) * h[i, hidden + j]
-
-
-@njit(parallel=True, error_model="numpy", cache=True)
-def _geglu_tanh_kernel(h, out):
-    # h: [M, 2H] f32 GEMM result, gate in [:, :H], up in [:, H:]; out: [M, H] f32
-    hidden = out.shape[1]
-    for i in prange(h.shape[0]):
-        for j in range(hidden):  # read 2H, write H
-            out[i, j] = _math.gelu_tanh_f32(h[i, j]) * h[i, hidden + j]
-
-
-_KERNELS = {"none": _geglu_erf_kernel, "tanh": _geglu_tanh_kernel}
+        if use_tanh:  # the form is chosen per row, outside the inner loop
+            for j in range(hidden):  # read 2H, write H
+                out[i, j] = _math.gelu_tanh_f32(h[i, j]) * h[i, hidden + j]
+        else:
+            for j in range(hidden):
+                out[i, j] = _math.gelu_erf_f32(h[i, j]) * h[i, hidden + j]
 
 
 @register("geglu", "cpu")
@@ -55,5 +47,5 @@ def geglu(x: torch.Tensor, w_gate_up: torch.Tensor, hidden: int, approximate: st
     h = torch.empty((x2.shape[0], 2 * hidden), dtype=torch.float32)  # [M, 2H] = [g | u]
     _gemm.matmul(x2, _gemm.operand(w_gate_up), h)  # BLAS: read MK + 2HK, write 2MH
     out = torch.empty((x2.shape[0], hidden), dtype=torch.float32)  # [M, H]
-    launch(_KERNELS[approximate], out.numel())(h.numpy(), out.numpy())
+    launch(_geglu_kernel, out.numel())(h.numpy(), out.numpy(), approximate == "tanh")
     return out.view(*x.shape[:-1], hidden).to(x.dtype)
