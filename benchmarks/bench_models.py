@@ -1,7 +1,7 @@
 """Whole models: opfuse vs eager, torch.compile (inductor), ONNX Runtime and OpenVINO (a
 thin wrapper of ``opfuse bench``), one JSON + CSV per model under benchmarks/results/.
 
-    .venv/bin/python benchmarks/bench_models.py [MODEL ...] [--threads 1] [--amdahl]
+    .venv/bin/python benchmarks/bench_models.py [MODEL ...] [--threads 1] [--amdahl] [--breakdown]
 
 Default: minilm 8x128 (eager attention) and bert-base 1x128 (sdpa), against
 eager,opfuse-aten,inductor,ort,openvino (opfuse-aten: opfuse with eager's GEMMs, the
@@ -29,6 +29,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--against", default="eager,opfuse-aten,inductor,ort,openvino")
     ap.add_argument("--amdahl", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="eager's and opfuse's time by category (profiler)")
     ap.add_argument("--repeat", type=int, default=20)
     ns = ap.parse_args()
     runs = ALL_RUNS if ns.all else DEFAULT_RUNS
@@ -42,6 +43,8 @@ def main() -> int:
             argv += ["--json", f"benchmarks/results/cpu_{model}_{batch}x{seq}_{attn}_t{ns.threads}.json"]
         if ns.amdahl:
             argv.append("--amdahl")
+        if ns.breakdown:
+            argv.append("--breakdown")
         rc |= opfuse_main(argv)
     return rc
 

@@ -105,6 +105,8 @@ def _share_folded(gm, others: list) -> None:
     seen = {n: t for o in others if o is not None for n, t in o.named_buffers() if n.startswith("opfuse_folded_")}
     for name, t in list(gm.named_buffers()):
         same = seen.get(name)
+        if t.is_mkldnn or (same is not None and same.is_mkldnn):
+            continue  # a oneDNN prepacked weight (opaque: no torch.equal); its blocking is per shape anyway
         if same is not None and same.shape == t.shape and same.dtype == t.dtype and torch.equal(same, t):
             gm.register_buffer(name, same)
 
@@ -364,7 +366,7 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
              verify: bool = True, strict: bool = False, example_kwargs: dict | None = None,
              name: str | None = None, gemm: str | None = None, capture: str = "auto",
              decide: str | None = None, dynamic: bool = False, dynamic_shapes=None,
-             plan_cache=False) -> FusedModule:
+             plan_cache=False, precision: str = "fp32", tolerance: float | None = None) -> FusedModule:
     """Capture, match, cost, select, verify and rewrite ``model``.
 
     Args:
@@ -400,12 +402,23 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
             byte hashed), input signature, options and machine is loaded instead of planned
             (no capture, matching, verification or timing); new plans are stored there.
             ``report.capture["plan_cache"]`` says which. Default off.
+        precision: ``"fp32"`` (default: nothing lowered, results unchanged bit for bit) or
+            ``"bf16"``: each plain GEMM runs in bfloat16 (float32 accumulation, weights
+            converted once) when its error on the example inputs is ≤ ``tolerance`` and it is
+            measured faster, then the whole model is checked against the float32 plan and
+            GEMMs go back to float32 until it is within budget (:mod:`opfuse.precision`);
+            ``report.precision`` lists every decision. ``"fp16"`` has no CPU path (reported,
+            float32 kept).
+        tolerance: per-GEMM relative error budget of ``precision`` (default
+            :data:`opfuse.precision.DEFAULT_TOLERANCE`, 1e-2); the whole model's budget is
+            :data:`~opfuse.precision.E2E_FACTOR` times it and a cosine ≥
+            :data:`~opfuse.precision.COSINE_MIN` for every output.
     Returns:
         :class:`FusedModule` whose outputs equal ``model(*inputs)`` within the dtype tolerance
         (:data:`opfuse.verify.TOLERANCE`); ``.report`` is the :class:`FusionReport`.
     Raises:
         OptimizeError: bad input (training mode, not a module, inputs not a tuple, unknown gemm
-            capture or decide mode).
+            capture, decide or precision mode, a tolerance that is not a positive number).
         opfuse.graph.capture.CaptureError: torch.export failed and ``capture="whole"`` or
             ``strict``; or the forward changes a plain Python attribute (never captured).
     """
@@ -418,6 +431,11 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
         raise OptimizeError(str(exc)) from None
     if capture not in ("auto", "whole"):
         raise OptimizeError(f"opfuse: capture must be 'auto' or 'whole', got {capture!r}")
+    from .precision import check_precision
+    try:
+        check_precision(precision, tolerance)
+    except ValueError as exc:
+        raise OptimizeError(str(exc)) from None
     from .timegate import check_mode as check_decide
     try:
         check_decide(decide)
@@ -429,7 +447,7 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
         raise OptimizeError(f"opfuse: dynamic must be True or False (or pass dynamic_shapes=), got {dynamic!r}")
     fused = FusedModule(model, dict(theta=theta, device=device, verify=verify, strict=strict, name=name, gemm=gemm,
                                     capture=capture, decide=decide, dynamic=dynamic or None,
-                                    plan_cache=plan_cache or None))
+                                    plan_cache=plan_cache or None, precision=precision, tolerance=tolerance))
     fused.plan_for(tuple(example_inputs), kwargs)
     return fused
 

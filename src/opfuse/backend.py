@@ -153,7 +153,8 @@ class CompiledGraph:
         try:
             bound = _Bound(self.gm, static, len(args)).eval()
             return optimize(bound, user, name=self.options.get("name", "dynamo graph"), capture="whole",
-                            **{k: v for k, v in self.options.items() if k in ("theta", "device", "verify", "gemm", "decide")})
+                            **{k: v for k, v in self.options.items() if k in ("theta", "device", "verify", "gemm", "decide",
+                                                                                "precision", "tolerance")})
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else ""
             self._record(key, f"opfuse.optimize failed: {type(exc).__name__}: {first}")

@@ -195,11 +195,14 @@ def cmd_bench(ns, console: Console) -> int:
         result = bench.bench_model(ns.model, against=ns.against.split(","), threads=ns.threads, batch=ns.batch,
                                    seq=ns.seq, attn=ns.attn, repeat=ns.repeat, theta=ns.theta,
                                    with_amdahl=ns.amdahl, with_theta_sweep=ns.theta_sweep,
-                                   log=lambda s: status.update(s))
+                                   with_breakdown=ns.breakdown, log=lambda s: status.update(s))
     console.print(bench.peers_table(result))
     if "amdahl" in result:
         from opfuse.bench.amdahl import amdahl_table
         console.print(amdahl_table(result["amdahl"]))
+    if "breakdown" in result:
+        from opfuse.bench.breakdown import breakdown_table
+        console.print(breakdown_table(result["breakdown"]))
     if "theta_sweep" in result:
         from opfuse.bench.theta import theta_table
         console.print(theta_table(result["theta_sweep"]))
@@ -284,6 +287,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--new", type=int, default=128, help="--generate: new tokens per sequence")
     b.add_argument("--amdahl", action="store_true", help="per-pattern p and S_fused -> predicted vs measured")
     b.add_argument("--theta-sweep", action="store_true", help="regions, traffic, latency for θ = 0, 0.1 … 0.9")
+    b.add_argument("--breakdown", action="store_true",
+                   help="eager's and opfuse's time per call: GEMM, attention, fused, other ATen, overhead (profiler)")
     b.add_argument("--json", help="write the result (with the machine description) here, and a .csv beside it")
     sub.add_parser("patterns", help="list the pattern library")
     return ap

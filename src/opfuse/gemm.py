@@ -19,7 +19,15 @@ so no single choice wins everywhere. Each backend is a row of :data:`BACKENDS`:
   ``[N, K]`` shape, so ``aten.linear`` and opfuse's GEMM kernels (which call ``weight.t()``)
   hand BLAS a non-transposed operand. Costs K·N·4 extra bytes per weight.
 * ``onednn`` — ``torch.ops.mkldnn._linear_pointwise`` (oneDNN's inner-product primitive,
-  the kernel inductor's CPU ``freezing`` path uses); only for plain ``aten.linear`` nodes.
+  the kernel inductor's CPU ``freezing`` path uses) on the weight as it is, with its GELU
+  (erf) or residual-add post-op; replaces ``aten.linear``, ``linear_bias_gelu`` and
+  ``linear_residual`` nodes.
+* ``packed`` — the weight prepacked once into oneDNN's blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight``, a folded constant of the plan, K·N·4 extra
+  bytes) for **every** site: ``aten.linear`` becomes ``_linear_pointwise`` on it, and the
+  opfuse ops with a GEMM inside (linear_add_layernorm(_sum), linear_residual, bias_gelu
+  in both GELU forms, swiglu, geglu) keep their own epilogue kernels and run their GEMM on
+  oneDNN (:mod:`opfuse.kernels.cpu._gemm` dispatches on the weight's layout).
 
 :func:`choose` times every available backend on the real (M, K, N) with random data,
 interleaved round-robin (the machines are shared and noisy), takes medians and keeps
@@ -64,6 +72,12 @@ def _onednn_residual(x, w, b, node_args):  # oneDNN GEMM with its binary-add pos
     return torch.ops.mkldnn._linear_pointwise.binary(x, node_args[3], w, b, "add")
 
 
+def pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """oneDNN's prepacked layout of a float32 [N, K] weight for GEMMs of about ``rows`` rows
+    (an opaque ``torch._mkldnn`` tensor of shape [N, K]; any row count runs on it)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max(1, int(rows)))
+
+
 @dataclass(frozen=True)
 class Site:
     """An op with a GEMM inside: where its x / weight / bias arguments are, and how to run it
@@ -104,16 +118,21 @@ class GemmBackend:
     """One way to run a GEMM site. ``transposed``: the weight operand is the [N, K] view of a
     contiguous [K, N] copy (folded once into the plan). ``replace``: site kind -> function
     ``(x, w, b, node_args) -> y`` that replaces the whole op (None: the op stays, only its
-    weight operand changes); ``usable(node_args)`` says whether it applies to this call."""
+    weight operand changes); ``packed``: the weight operand is oneDNN's prepacked copy
+    (:func:`pack`, folded once); ``every_site``: serves the sites without a ``replace`` entry
+    too (their op runs on the new weight operand); ``usable(node_args)`` says whether it
+    applies to this call."""
 
     name: str
     available: Callable[[], bool]
     transposed: bool = False
     replace: dict = field(default_factory=dict)
     usable: Callable = lambda kind, args: True
+    packed: bool = False
+    every_site: bool = False
 
     def serves(self, kind: str) -> bool:
-        return not self.replace or kind in self.replace
+        return not self.replace or self.every_site or kind in self.replace
 
 
 def _onednn_usable(kind, args) -> bool:
@@ -128,6 +147,11 @@ def _onednn_usable(kind, args) -> bool:
     return True
 
 
+def _packed_usable(kind, args) -> bool:
+    b = args[2] if len(args) > 2 else None
+    return kind != "linear" or not (isinstance(b, torch.Tensor) and b.dim() != 1)
+
+
 BACKENDS = [
     GemmBackend("aten", lambda: True),
     GemmBackend("wt", lambda: True, transposed=True),
@@ -135,6 +159,8 @@ BACKENDS = [
                 replace={"linear": _onednn_linear, "linear_bias_gelu": _onednn_bias_gelu,
                          "linear_residual": _onednn_residual},
                 usable=_onednn_usable),
+    GemmBackend("packed", lambda: torch.backends.mkldnn.is_available(), packed=True, every_site=True,
+                replace={"linear": _onednn_linear}, usable=_packed_usable),
 ]
 _ONEDNN_OPS = {"linear": lambda: torch.ops.mkldnn._linear_pointwise.default,
                "linear_bias_gelu": lambda: torch.ops.mkldnn._linear_pointwise.default,
@@ -183,9 +209,11 @@ def measure(site: Site, args: list, backends: list[GemmBackend]) -> dict[str, fl
     x, w = args[site.x], args[site.w]
     b = args[site.b] if site.b is not None and len(args) > site.b else None
     wt = w.t().contiguous().t()
+    rows = prod(x.shape[:-1])
     calls = {}
     for be in backends:
-        run, weight = be.replace.get(site.kind) or site.run, wt if be.transposed else w
+        run = be.replace.get(site.kind) or site.run
+        weight = wt if be.transposed else pack(w, rows) if be.packed else w
         calls[be.name] = lambda run=run, weight=weight: run(x, weight, b, args)
     results, failed = {}, set()
     with torch.no_grad():
@@ -244,7 +272,8 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None) -> list[Gemm
     """Pipeline pass: for every float32 CPU GEMM whose weight is a parameter (``aten.linear``
     and opfuse ops with a GEMM inside, :func:`sites`), choose a backend (:func:`choose`) and
     rewrite: ``wt`` folds a pre-transposed copy of the weight into the plan; ``onednn``
-    replaces the node by ``mkldnn._linear_pointwise`` (with its GELU or add post-op).
+    replaces the node by ``mkldnn._linear_pointwise`` (with its GELU or add post-op);
+    ``packed`` folds oneDNN's prepacked copy (one per weight) and runs every site on it.
 
     ``mode`` (default ``OPFUSE_GEMM`` or ``"auto"``): ``"auto"`` measures; ``"aten"`` keeps
     eager's GEMMs; a backend name forces it where usable. Returns the choices (for the report).
@@ -261,6 +290,7 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None) -> list[Gemm
     size_before = len(cache)
     choices: list[GemmChoice] = []
     transposed: dict[str, fx.Node] = {}
+    packed: dict[str, fx.Node] = {}
     for node in list(gm.graph.nodes):
         site = table.get(node.target) if node.op == "call_function" else None
         if site is None or node.kwargs:
@@ -303,6 +333,27 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None) -> list[Gemm
                 transposed[w.target] = view
                 extra = wv.numel() * wv.element_size()
             node.replace_input_with(w, view)
+        elif name == "packed":
+            attr = packed.get(w.target)
+            if attr is None:
+                buf = f"opfuse_folded_packed_{w.target.replace('.', '_')}"
+                gm.register_buffer(buf, pack(wv, m))
+                gm.meta.setdefault("opfuse_packed_rows", {})[buf] = m  # persist packs it again (opfuse.save)
+                note_derived(gm, buf, [w.target])
+                with gm.graph.inserting_before(node):
+                    attr = gm.graph.get_attr(buf)
+                attr.meta["val"] = w.meta.get("val")
+                packed[w.target] = attr
+                extra = wv.numel() * wv.element_size()
+            if site.kind == "linear":
+                b = node.args[site.b] if len(node.args) > site.b else None
+                with gm.graph.inserting_before(node):
+                    new = gm.graph.call_function(_ONEDNN_OPS["linear"](), (x, attr, b, "none", [], ""))
+                new.meta.update(node.meta)
+                node.replace_all_uses_with(new)
+                gm.graph.erase_node(node)
+            else:
+                node.replace_input_with(w, attr)
         elif name == "onednn":
             b = node.args[site.b] if site.b is not None and len(node.args) > site.b else None
             post = {"linear": ("none", [], ""), "linear_bias_gelu": ("gelu", [], "none")}

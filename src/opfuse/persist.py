@@ -9,7 +9,9 @@ A saved plan is a directory::
                          ("aten::linear.default", "opfuse::attention.default"), arguments
                          and the input/output pytree specs (torch's ``treespec_dumps``)
     plan<i>.safetensors  the plan's parameters and buffers (folded QKV weights and
-                         pre-transposed GEMM weights included: no recipe to re-run)
+                         pre-transposed GEMM weights included: no recipe to re-run);
+                         oneDNN prepacked weights (opaque, layout of this oneDNN
+                         build) as their dense [N, K] values, packed again at load
     plan<i>.report.json  its :class:`~opfuse.report.data.FusionReport`
 
 Loading executes no code from the files: no pickle (tensors through ``safetensors``),
@@ -308,19 +310,42 @@ def data_to_graph(data: dict, root: torch.nn.Module) -> fx.GraphModule:
 
 # -- tensors ----------------------------------------------------------------------------
 
-def _tensors(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
-    """Every tensor a get_attr node reads, by its target, contiguous, on the CPU."""
+def _tensors(gm: fx.GraphModule) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """Every tensor a get_attr node reads, by its target, on the CPU; oneDNN prepacked
+    weights (:func:`opfuse.gemm.pack`) as their dense values, listed in the second result
+    (target -> the row count they were packed for) to be packed again by :func:`_repack`."""
     from operator import attrgetter
-    out = {}
+    out, packed = {}, {}
     for n in gm.graph.nodes:
         if n.op == "get_attr" and n.target not in out:
             t = attrgetter(n.target)(gm)
             if not isinstance(t, torch.Tensor):
                 raise SaveError(f"opfuse.save: attribute {n.target} is a {type(t).__name__}, not a tensor")
-            if t.layout != torch.strided:
+            if t.is_mkldnn and t.dim() == 2 and t.dtype == torch.float32:
+                packed[n.target] = int(gm.meta.get("opfuse_packed_rows", {}).get(n.target, 1))
+                t = t.to_dense()
+            elif t.layout != torch.strided:
                 raise SaveError(f"opfuse.save: {n.target} is a {t.layout} tensor (only dense tensors are saveable)")
             out[n.target] = t.detach()
-    return out
+    return out, packed
+
+
+def _repack(tensors: dict[str, torch.Tensor], packed: dict, root: Path) -> None:
+    """Pack the weights a saved plan ran on oneDNN's prepacked layout again, in place of
+    their dense values. Raises LoadError when this torch has no oneDNN or an entry is not
+    a float32 [N, K] tensor of the file."""
+    from .gemm import pack
+    for target, rows in packed.items():
+        t = tensors.get(target)
+        if not (isinstance(target, str) and target.startswith("opfuse_folded_packed_")):
+            raise LoadError(f"opfuse.load: {target!r} in the manifest of {root} is not a prepacked weight of opfuse")
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.float32 \
+                or not isinstance(rows, int) or rows < 1:
+            raise LoadError(f"opfuse.load: prepacked weight {target!r} of {root} is not a float32 [N, K] tensor")
+        if not torch.backends.mkldnn.is_available():
+            raise LoadError(f"opfuse.load: {root} runs GEMMs on oneDNN prepacked weights and this torch has no "
+                            "oneDNN (re-optimize the model here)")
+        tensors[target] = pack(t, rows)
 
 
 def _root(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -385,12 +410,12 @@ def write_plans(plans: list, path) -> Path:
                             "the whole model); only whole-model plans are saveable")
         gm = plan.gm
         data = graph_to_data(gm)
-        tensors = _tensors(gm)
+        tensors, packed = _tensors(gm)
         unique: dict[tuple, str] = {}  # one copy of a tensor several attributes share (tied weights)
         stored: dict[str, torch.Tensor] = {}
         alias: dict[str, str] = {}
         for target, t in tensors.items():
-            ident = (t.data_ptr(), tuple(t.shape), t.dtype, tuple(t.stride()))
+            ident = (t.data_ptr(), tuple(t.shape), t.dtype, tuple(t.stride())) if target not in packed else target
             if ident in unique:
                 alias[target] = unique[ident]
                 continue
@@ -407,7 +432,7 @@ def write_plans(plans: list, path) -> Path:
                         "dynamic_key": None if plan.dynamic_key is None else _encode(plan.dynamic_key),
                         "dynamic": None if spec is None else {"dims": [list(d) for d in spec.dims],
                                                               "ranges": [list(r) for r in spec.ranges]},
-                        "writes": sorted(plan.writes), "derived": sorted(plan.derived)})
+                        "writes": sorted(plan.writes), "derived": sorted(plan.derived), "packed": packed})
     manifest = {"format": FORMAT, "opfuse": __version__, "torch": torch.__version__, "cpu": cpu_model(),
                 "schemas": schemas, "plans": entries}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
@@ -507,6 +532,7 @@ def read_plans(path, model: torch.nn.Module | None = None, warn_cpu: bool = True
             raise LoadError(f"opfuse.load: cannot read {root / files['tensors']}: {exc}") from None
         for target, source in entry.get("aliases", {}).items():
             tensors[target] = tensors[source]
+        _repack(tensors, entry.get("packed", {}), root)
         try:
             data = json.loads((root / files["graph"]).read_text())
             report_data = json.loads((root / files["report"]).read_text())

@@ -24,7 +24,8 @@ from .graph.meta import decided_at, nbytes, tensor_values
 from .patterns import LIBRARY, SPELLINGS, Pattern, find_matches
 from .report.data import FusionReport, RegionRecord
 from .report.graph import graph_summary
-from .rewrite import bind_op_builtins, inplace_cache_writes, respell, rewrite
+from .precision import apply_precision
+from .rewrite import bind_op_builtins, inplace_cache_writes, respell, rewrite, shared_bool_masks
 from .timegate import check_mode as check_decide
 from .timegate import decide_by_time
 from .verify import model_error, record_values, verify_regions
@@ -121,7 +122,8 @@ def cost(cands: list[Candidate], device: DeviceProfile) -> None:
 def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, theta: float = 0.3,
         device: DeviceProfile | None = None, verify: bool = True, strict: bool = False,
         rewrite_graph: bool = True, patterns: list[Pattern] | None = None, name: str | None = None,
-        gemm: str | None = None, decide: str | None = None, dynamic=None) -> Plan:
+        gemm: str | None = None, decide: str | None = None, dynamic=None, precision: str = "fp32",
+        tolerance: float | None = None) -> Plan:
     """capture → canonicalize → match → legality → cost → select → time → verify → rewrite
     → GEMM backends → report (→ whole-model check when ``verify``).
 
@@ -132,10 +134,12 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, thet
     ``dynamic``: None (a static plan for the example shapes), True (batch and sequence dims
     symbolic, :func:`opfuse.graph.dynamic.auto_shapes`) or torch.export's own
     ``dynamic_shapes``; a dynamic plan is decided at the example size and verified there and
-    at the range's other sizes (:func:`opfuse.graph.dynamic.sample_inputs`).
+    at the range's other sizes (:func:`opfuse.graph.dynamic.sample_inputs`). ``precision``
+    / ``tolerance``: GEMMs lowered to bf16 where measured error and time allow
+    (:func:`opfuse.precision.apply_precision`, after the GEMM backends; ``"fp32"``: none).
 
     Raises:
-        ValueError: unknown ``decide`` mode."""
+        ValueError: unknown ``decide`` mode or ``precision``, bad ``tolerance``."""
     kwargs = dict(kwargs or {})
     snapshot = StateSnapshot.take(model)  # planning runs the forward: the model's state must not move
     args, kwargs = copy_inputs(args, kwargs)  # ... nor the caller's inputs
@@ -144,7 +148,7 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, thet
         snapshot.restore()
         return _passes(model, args, kwargs, theta=theta, device=device, verify=verify, strict=strict,
                        rewrite_graph=rewrite_graph, patterns=patterns, name=name, gemm=gemm,
-                       decide=check_decide(decide), dynamic=dynamic)
+                       decide=check_decide(decide), dynamic=dynamic, precision=precision, tolerance=tolerance)
     finally:
         snapshot.restore()
 
@@ -163,7 +167,7 @@ def _capture(model, args, kwargs, dynamic):
 
 
 def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph, patterns, name, gemm,
-            decide, dynamic=None) -> Plan:
+            decide, dynamic=None, precision="fp32", tolerance=None) -> Plan:
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
@@ -177,11 +181,11 @@ def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph
     with decided_at(spec.sizes(args, kwargs) if spec is not None else {}):  # a dynamic plan: decided at the example's sizes
         return _plan_captured(gm, spec, model, args, kwargs, lap, timings, theta=theta, device=device, verify=verify,
                               strict=strict, rewrite_graph=rewrite_graph, patterns=patterns, name=name, gemm=gemm,
-                              decide=decide)
+                              decide=decide, precision=precision, tolerance=tolerance)
 
 
 def _plan_captured(gm, spec, model, args, kwargs, lap, timings, *, theta, device, verify, strict, rewrite_graph,
-                   patterns, name, gemm, decide) -> Plan:
+                   patterns, name, gemm, decide, precision="fp32", tolerance=None) -> Plan:
     """The passes after capture (see :func:`run`)."""
     canonicalize(gm);                                               lap("canonicalize")
     respelled = respell(gm, find_matches(gm.graph, SPELLINGS)[0]);  lap("respell")
@@ -205,7 +209,9 @@ def _plan_captured(gm, spec, model, args, kwargs, lap, timings, *, theta, device
         lap("verify")
     if rewrite_graph:
         rewrite(gm, cands);                                         lap("rewrite")
+        masks = shared_bool_masks(gm);                              lap("masks")
         gemms = apply_gemm_choices(gm, gemm);                       lap("gemm")
+        lowp = apply_precision(gm, args, kwargs, precision, tolerance); lap("precision")
         in_place = inplace_cache_writes(gm);                        lap("in place")
         bind_op_builtins(gm);                                       lap("bind ops")
     report = make_report(model, args, kwargs, theta, cands, near, whole, timings, name)
@@ -218,6 +224,8 @@ def _plan_captured(gm, spec, model, args, kwargs, lap, timings, *, theta, device
     if rewrite_graph:
         report.gemm = [asdict(g) for g in gemms]
         report.inplace_writes = in_place
+        report.shared_masks = masks
+        report.precision = lowp
     if spec is not None:
         decided = spec.sizes(args, kwargs)
         report.dynamic = {"dims": spec.describe(), "decided_at": decided,

@@ -147,11 +147,14 @@ def test_cli_bench_writes_json_and_csv(fake_measure, tmp_path, capsys):
     from opfuse.cli import main
     out = tmp_path / "r.json"
     assert main(["bench", "bert-tiny", "--against", "eager", "--batch", "1", "--seq", "16", "--repeat", "2",
-                 "--json", str(out)]) == 0
+                 "--breakdown", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert [r["peer"] for r in data["peers"]] == ["eager", "opfuse"]
+    assert set(data["breakdown"]) == {"eager", "opfuse"}
+    assert all(b["per_call_s"]["GEMM"] > 0 and b["ops_per_call"] > 10 for b in data["breakdown"].values())
     assert (tmp_path / "r.csv").read_text().startswith("model,")
-    assert "vs eager" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "vs eager" in printed and "where the time goes" in printed
 
 
 def test_bench_generate_structure(monkeypatch):

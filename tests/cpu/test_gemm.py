@@ -30,9 +30,9 @@ def _targets(fused):
     return [n.target for n in gm.graph.nodes if n.op == "call_function"], gm
 
 
-@pytest.mark.parametrize("mode", ["aten", "wt", "onednn"])
+@pytest.mark.parametrize("mode", ["aten", "wt", "onednn", "packed"])
 def test_forced_backend_equals_eager(mode):
-    if mode == "onednn" and not torch.backends.mkldnn.is_available():
+    if mode in ("onednn", "packed") and not torch.backends.mkldnn.is_available():
         pytest.skip("oneDNN not in this torch build")
     model = _MLP().eval()
     x = torch.randn(3, 7, 48)
@@ -75,12 +75,12 @@ def test_auto_choice_follows_timings_with_margin():
     args = [torch.randn(64, 32), torch.randn(16, 32), torch.randn(16)]
     cache = {}
     name, times, _ = gemm.choose(site, args, gemm.BACKENDS, cache)  # measures once
-    assert set(times) == {"aten", "wt", "onednn"} and name in times
+    assert set(times) == {"aten", "wt", "onednn", "packed"} and name in times
     (key,) = cache
     assert "linear(64x32:float32, 16x32:float32, 16:float32)" in key
-    cache[key] = {"aten": 1.0, "wt": 0.90, "onednn": 0.99}
+    cache[key] = {"aten": 1.0, "wt": 0.90, "onednn": 0.99, "packed": 0.95}
     assert gemm.choose(site, args, gemm.BACKENDS, cache)[0] == "wt"
-    cache[key] = {"aten": 1.0, "wt": 0.985, "onednn": 0.99}
+    cache[key] = {"aten": 1.0, "wt": 0.985, "onednn": 0.99, "packed": 0.995}
     name, _, reason = gemm.choose(site, args, gemm.BACKENDS, cache)
     assert name == "aten" and "within 3%" in reason
 

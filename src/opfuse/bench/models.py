@@ -76,7 +76,7 @@ def best_gemm_rate(n: int = 1024) -> dict:
 def bench_model(name: str, against=("inductor", "ort"), threads: int = 1, batch: int | None = None,
                 seq: int | None = None, attn: str | None = None, repeat: int = 20, theta: float = 0.3,
                 with_amdahl: bool = False, with_theta_sweep: bool = False, measure_device: bool = True,
-                log=lambda s: None) -> dict:
+                with_breakdown: bool = False, log=lambda s: None) -> dict:
     """Run the comparison and return it as plain data (see module docstring)."""
     from opfuse.models import load
     b, s, a = DEFAULT_SHAPES.get(name, (1, 128, "eager"))
@@ -126,6 +126,10 @@ def bench_model(name: str, against=("inductor", "ort"), threads: int = 1, batch:
     fused = next((p.detail.get("module") for p in peers if p.name == "opfuse"), None)
     if fused is not None:
         result["fusion"] = fused.report.totals
+    if with_breakdown:
+        from .breakdown import breakdown
+        log("profiling eager and opfuse (time by category)")
+        result["breakdown"] = {p.name: breakdown(p.fn) for p in ok if p.name in ("eager", "opfuse")}
     if with_amdahl:
         from .amdahl import amdahl
         result["amdahl"] = amdahl(model, args, fused, theta=theta, repeat=max(5, repeat // 2), device=device, log=log)

@@ -399,16 +399,34 @@ def near_miss_table(report) -> str:
             f"</tr></thead><tbody>{rows}</tbody></table>")
 
 
+def precision_card(report) -> str:
+    """``precision=`` decisions: one row per plain GEMM (precision, measured error, times,
+    why) under the summary line; empty for a float32 plan."""
+    p = getattr(report, "precision", None)
+    if not p:
+        return ""
+    from .text import precision_line
+    rows = "".join(
+        f'<tr><td>{esc(g["node"])}</td><td>{g["m"]}×{g["k"]}×{g["n"]}</td><td>{esc(g["precision"])}</td>'
+        f'<td>{g["error"]:.1e}</td><td>{esc("  ".join(f"{k} {human_time(v)}" for k, v in g["times_s"].items()))}</td>'
+        f'<td class="reason">{esc(g["reason"])}</td></tr>' for g in p.get("gemms", []))
+    return (f'<div class="card"><h2>Precision</h2><p>{esc(precision_line(report))}</p>'
+            '<table class="sortable" id="precision"><thead><tr><th>node</th><th>M×K×N</th><th>precision</th>'
+            f'<th>error vs float32</th><th>median</th><th>why</th></tr></thead><tbody>{rows}</tbody></table></div>')
+
+
 def gemm_table(report) -> str:
-    """One row per GEMM node: op, M×K×N, backend chosen, median time per backend, why."""
+    """One row per GEMM node: op, M×K×N, backend chosen, median time per backend, the
+    weight copy it keeps (pre-transposed or prepacked, MiB), why."""
     if not report.gemm:
         return '<p class="muted">No GEMM backend choice (not float32 on CPU, or gemm="aten").</p>'
     rows = "".join(
         f'<tr><td>{esc(g["node"])}</td><td>{esc(g["op"])}</td><td>{g["m"]}×{g["k"]}×{g["n"]}</td>'
         f'<td>{esc(g["backend"])}</td><td>{esc("  ".join(f"{k} {human_time(v)}" for k, v in g["times_s"].items()))}'
-        f'</td><td class="reason">{esc(g["reason"])}</td></tr>' for g in report.gemm)
+        f'</td><td>{g.get("extra_bytes", 0) / 2**20:.2f}</td><td class="reason">{esc(g["reason"])}</td></tr>'
+        for g in report.gemm)
     return ('<table class="sortable" id="gemm"><thead><tr><th>node</th><th>op</th><th>M×K×N</th><th>backend</th>'
-            f"<th>median per backend</th><th>why</th></tr></thead><tbody>{rows}</tbody></table>")
+            f"<th>median per backend</th><th>extra MiB</th><th>why</th></tr></thead><tbody>{rows}</tbody></table>")
 
 
 def header(report, device) -> str:
@@ -484,6 +502,7 @@ def render_html(report, device=None) -> str:
 sort</h2>{region_table(report)}</div>
 <div class="card"><h2>Near misses ({len(report.near_misses)}): came close, did not fuse</h2>{near_miss_table(report)}</div>
 <div class="card"><h2>GEMM backends ({len(report.gemm)} GEMMs, measured per shape at optimize time)</h2>{gemm_table(report)}</div>
+{precision_card(report)}
 <p class="muted">Bytes are modelled memory traffic (each ATen op as its own kernel vs the fused kernel);
 ρ = (M<sub>orig</sub> − M<sub>fused</sub>)/M<sub>orig</sub>; I = FLOPs / bytes; t = roofline time on
 {esc(device.name)} incl. launch overhead. Written by opfuse {esc(report.version)}.</p>

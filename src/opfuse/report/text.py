@@ -64,17 +64,33 @@ def near_miss_table(report) -> Table:
 
 def gemm_table(report) -> Table:
     """One row per GEMM shape and op: backend chosen (``opfuse.gemm``), how many nodes, the
-    measured median time of each backend (ms) and why."""
+    measured median time of each backend (ms), the weight copies kept (pre-transposed or
+    prepacked, MiB) and why."""
     table = Table(title="GEMM backends (measured per shape, cached)")
-    for col in ("op", "M×K×N", "nodes", "backend", "median ms per backend", "why"):
-        table.add_column(col, justify="right" if col == "nodes" else "left")
+    for col in ("op", "M×K×N", "nodes", "backend", "median ms per backend", "extra MiB", "why"):
+        table.add_column(col, justify="right" if col in ("nodes", "extra MiB") else "left")
     groups: dict[tuple, list] = {}
     for g in report.gemm:
         groups.setdefault((g["op"], g["m"], g["k"], g["n"], g["backend"]), []).append(g)
     for (op, m, k, n, backend), rows in groups.items():
         times = "  ".join(f"{name} {1e3 * t:.3f}" for name, t in rows[0]["times_s"].items())
-        table.add_row(op, f"{m}×{k}×{n}", str(len(rows)), backend, times, rows[0]["reason"])
+        extra = sum(g.get("extra_bytes", 0) for g in rows) / 2**20
+        table.add_row(op, f"{m}×{k}×{n}", str(len(rows)), backend, times, f"{extra:.2f}", rows[0]["reason"])
     return table
+
+
+def precision_line(report) -> str:
+    """One line on ``precision=``: how many GEMMs run in bf16, the budget, the end-to-end
+    error against the float32 plan, GEMMs put back, and the CPU's bf16 support."""
+    p = report.precision
+    gemms = p.get("gemms", [])
+    low = sum(g["precision"] == "bf16" for g in gemms)
+    e2e = p.get("end_to_end")
+    check = (f"; whole model vs float32: max error {e2e['max_error']:.1e}, min cosine {e2e['min_cosine']:.6f}"
+             if e2e else "")
+    back = f"; {p['reverted']} put back to float32 by the whole-model check" if p.get("reverted") else ""
+    return (f"{p['requested']} requested (tolerance {p['tolerance']:.0e} per GEMM): {low} of {len(gemms)} plain "
+            f"GEMMs in bf16{check}{back} — {p.get('note', '')}")
 
 
 def totals_text(report) -> Text:
@@ -129,8 +145,13 @@ def render(report, limit: int | None = 40, block_only: bool = True) -> Group:
                                    " ".join(report.ops_after)))
     table = region_table(report, limit=limit, block=first if block_only else None)
     parts += [table, pattern_table(report), totals_text(report)]
+    if getattr(report, "shared_masks", 0):
+        parts.append(Text.assemble(("Attention masks: ", "bold"), f"{report.shared_masks} boolean mask(s) made additive "
+                                   "(0 / −inf) once and read by every attention call, instead of converted per call"))
     if report.gemm:
         parts.append(gemm_table(report))
+    if getattr(report, "precision", None):
+        parts.append(Text.assemble(("Precision: ", "bold"), precision_line(report)))
     if report.near_misses:
         parts.append(near_miss_table(report))
     else:

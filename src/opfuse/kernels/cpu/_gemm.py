@@ -1,15 +1,26 @@
-"""CPU GEMM entry point of the fused kernels (one place to choose the BLAS).
+"""CPU GEMM entry point of the fused kernels: one place where the weight's layout picks the
+library, so every fused op runs its GEMM on the backend :mod:`opfuse.gemm` measured fastest
+for its shape.
 
-Measured on this project's 2-core AMD EPYC machines (float32, one thread): ATen's
-``torch.mm`` and numpy's OpenBLAS both ran at ~34 GFLOP/s on Transformer shapes, and
-mixing OpenBLAS's thread pool with torch's OpenMP pool slowed every later torch op
-4–5x, so ATen's BLAS is used. (A comparison that lets OpenBLAS use its default thread
-count while torch uses one shows a misleading 2x.)
+A weight operand ``weight`` [N, K] (a Linear's layout) comes in one of three layouts, each
+a row of ``opfuse.gemm.BACKENDS``:
 
-Arrays are float32; ``out`` C-contiguous [M, N]; ``x`` [M, K]; ``weight`` [N, K] (a
-Linear's layout, used transposed without a copy). ``weight`` may also be the [N, K] view
-of a contiguous [K, N] buffer (the ``wt`` layout chosen per shape by ``opfuse.gemm``):
-:func:`operand` keeps that layout, so BLAS gets a non-transposed operand.
+* row-major [N, K] (``aten``, eager's): ATen's BLAS with the weight read transposed;
+* the [N, K] view of a contiguous [K, N] buffer (``wt``): ATen's BLAS, non-transposed
+  operand (:func:`operand` keeps these strides);
+* a oneDNN prepacked weight (``packed``: ``torch.ops.mkldnn._reorder_linear_weight``, an
+  opaque ``torch._mkldnn`` tensor of shape [N, K]): oneDNN's inner product
+  (``torch.ops.mkldnn._linear_pointwise``, bias and residual add as its post-ops), the
+  blocked layout made once at optimize time instead of on every call.
+
+Measured (float32, one thread): on the 2-core AMD EPYC Zen 5 machines MKL does not run its
+AVX-512 paths and oneDNN was 2.2–2.4x faster (247–276 vs 104–121 GFLOP/s at 128×768×768 …
+512×768×768, prepacked +3–7%); on the Intel Ice Lake machines MKL with a pre-transposed
+weight was as fast or faster. Hence measured per machine and shape, never assumed.
+
+Arrays are float32; ``x`` [M, K] (any strides); results C-contiguous [M, N]. Mixing
+OpenBLAS's (numpy's) thread pool with torch's OpenMP pool slowed every later torch op 4–5x
+on these machines, so numpy's BLAS is never used.
 """
 
 from __future__ import annotations
@@ -17,20 +28,39 @@ from __future__ import annotations
 import torch
 
 
+def is_packed(weight: torch.Tensor) -> bool:
+    """``weight`` is a oneDNN prepacked (opaque ``torch._mkldnn``) tensor."""
+    return weight.is_mkldnn
+
+
 def operand(weight: torch.Tensor) -> torch.Tensor:
-    """Detached float32 [N, K] weight, without a copy when it is row-major or the
-    transposed view of a row-major [K, N] buffer (both are BLAS operands as they are)."""
+    """Detached float32 [N, K] weight, without a copy when it is row-major, the transposed
+    view of a row-major [K, N] buffer (both are BLAS operands as they are) or prepacked."""
     w = weight.detach()
+    if w.is_mkldnn:
+        return w  # float32 only (opfuse.gemm packs float32 weights only)
     if w.dim() == 2 and not w.is_contiguous() and w.t().is_contiguous():
         return w.to(torch.float32)  # keeps the column-major strides (preserve_format)
     return w.to(dtype=torch.float32, memory_format=torch.contiguous_format)
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-    """out[M,N] = x[M,K] @ weight[N,K]^T; read MK + NK, write MN."""
-    torch.mm(x, weight.t(), out=out)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x[M,K] @ weight[N,K]^T (+ bias[N]) as a C-contiguous [M, N] float32 tensor: ``out``
+    (BLAS writes into it) when given, else a new one. ``weight`` from :func:`operand`.
+    Read MK + NK (+ N), write MN (+ MN to copy oneDNN's result into ``out``)."""
+    if weight.is_mkldnn:
+        y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return y if out is None else out.copy_(y)
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out) if out is not None else torch.mm(x, weight.t())
+    return torch.addmm(bias, x, weight.t(), out=out) if out is not None else torch.addmm(bias, x, weight.t())
 
 
-def matmul_accumulate(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-    """out[M,N] += x[M,K] @ weight[N,K]^T (BLAS beta = 1: C read and written once)."""
-    out.addmm_(x, weight.t())
+def accumulate(x: torch.Tensor, weight: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """c[M,N] + x[M,K] @ weight[N,K]^T: into ``c`` in place (BLAS beta = 1: C read and
+    written once) and returned, or with a prepacked weight as oneDNN's binary-add post-op
+    (a new [M, N] tensor, C read once). Read MK + NK + MN, write MN."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise.binary(x, c, weight, None, "add")
+    return c.addmm_(x, weight.t())

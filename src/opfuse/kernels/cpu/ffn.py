@@ -1,8 +1,8 @@
 """ffn: out = gelu(x @ w1.T + b1) @ w2.T + b2, processed in row blocks.
 
     for each block of `block_rows` rows:
-        x_blk ── GEMM1 (BLAS) ── h [block_rows, H] ── +b1, gelu (numba, in place)
-                                                    └── GEMM2 + b2 (BLAS addmm) ──► out_blk
+        x_blk ── GEMM1 (_gemm) ── h [block_rows, H] ── +b1, gelu (numba, in place)
+                                                    └── GEMM2 + b2 (addmm / oneDNN) ──► out_blk
 
 The [block_rows, H] intermediate lives in one reused buffer small enough for L2, so the
 [M, H] hidden activation of eager never round-trips through memory. Traffic (float32):
@@ -53,10 +53,7 @@ def ffn(
     kernel = launch(_ffn_kernel, rows * hidden)
     for r0 in range(0, m, rows):
         r1 = min(r0 + rows, m)
-        h = h_buf[: r1 - r0]  # [rows, H]
-        _gemm.matmul(x2[r0:r1], w1f, h)  # read rows*K + HK, write rows*H
+        h = _gemm.linear(x2[r0:r1], w1f, out=h_buf[: r1 - r0])  # [rows, H]; read rows*K + HK, write rows*H
         kernel(h.numpy(), b1n, use_tanh)  # read rows*H, write rows*H (cache)
-        blk = out[r0:r1]  # [rows, N], C-contiguous slice
-        blk.copy_(b2f.expand_as(blk))  # write rows*N: C = b2, the GEMM accumulates (beta = 1)
-        _gemm.matmul_accumulate(h, w2f, blk)  # read rows*H + NH + rows*N, write rows*N
+        _gemm.linear(h, w2f, b2f, out=out[r0:r1])  # C = b2, beta = 1: read rows*H + NH + N, write rows*N
     return out.view(*x.shape[:-1], n).to(x.dtype)

@@ -51,12 +51,8 @@ def linear_add_layernorm(
 
     x2 = f32(x).reshape(-1, k)  # [M, K]
     m = x2.shape[0]
-    h = torch.empty((m, n), dtype=torch.float32)  # [M, N] GEMM output, then the LayerNorm in place
-    w = _gemm.operand(weight).t()
-    if bias is not None:
-        torch.addmm(f32(bias), x2, w, out=h)  # BLAS, eager's own call: read MK + NK + N, write MN
-    else:
-        torch.mm(x2, w, out=h)
+    # [M, N] GEMM output (bias in BLAS's C or oneDNN's post-op), then the LayerNorm in place
+    h = _gemm.linear(x2, _gemm.operand(weight), None if bias is None else f32(bias))  # read MK + NK + N, write MN
     out = h.numpy()
     s = np.empty_like(out) if emit_sum else out  # [M, N]; untouched unless emit_sum
     launch(_add_layernorm_kernel, out.size)(out, f32_rows(residual, n), f32_vec(ln_weight, n), f32_vec(ln_bias, n),

@@ -30,7 +30,6 @@ def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
     k, n = check_linear_bias_gelu(x, weight, bias, approximate, device_type="cpu")
 
     x2 = f32(x).reshape(-1, k)  # [M, K]
-    out = torch.empty((x2.shape[0], n), dtype=torch.float32)  # [M, N]
-    _gemm.matmul(x2, _gemm.operand(weight), out)  # BLAS: read MK + NK, write MN
+    out = _gemm.linear(x2, _gemm.operand(weight))  # [M, N]; read MK + NK, write MN
     launch(_linear_bias_gelu_kernel, out.numel())(out.numpy(), f32_vec(bias, n), approximate == "tanh")
     return out.view(*x.shape[:-1], n).to(x.dtype)

@@ -43,5 +43,5 @@ def linear_residual(
     x2 = f32(x).reshape(-1, k)  # [M, K]
     out = torch.empty((x2.shape[0], n), dtype=torch.float32)  # [M, N]
     launch(_linear_residual_kernel, out.numel())(f32_rows(residual, n), f32_vec(bias, n), out.numpy())  # read MN, write MN
-    _gemm.matmul_accumulate(x2, _gemm.operand(weight), out)  # BLAS, beta=1: read MK + NK + MN, write MN
+    out = _gemm.accumulate(x2, _gemm.operand(weight), out)  # beta=1 / add post-op: read MK + NK + MN, write MN
     return out.view(*x.shape[:-1], n).to(x.dtype)
