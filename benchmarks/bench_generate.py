@@ -29,9 +29,11 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true", help="skip HF StaticCache + torch.compile (cold ~1 min)")
+    ap.add_argument("--bf16", action="store_true", help="also opfuse with precision='bf16' (peer opfuse-bf16)")
     ns = ap.parse_args()
     console = Console()
     against = ("ort", "openvino") if ns.no_compile else ("static-compile", "ort", "openvino")
+    against += ("opfuse-bf16",) if ns.bf16 else ()
     for threads in ns.threads:
         for name in ns.models:
             for batch in ns.batches:

@@ -34,6 +34,10 @@ from torch import fx
 
 log = logging.getLogger(__name__)
 
+#: The optimize options a dynamo graph's plan takes from the backend's options (and
+#: ``fused.generate``'s prefill / decode plans from ``opfuse.optimize``'s).
+PLAN_OPTIONS = ("theta", "device", "verify", "gemm", "decide", "precision", "tolerance")
+
 #: Every graph compiled by the backend since the last :func:`reset` (for inspection and tests).
 COMPILED: list["CompiledGraph"] = []
 
@@ -153,8 +157,7 @@ class CompiledGraph:
         try:
             bound = _Bound(self.gm, static, len(args)).eval()
             return optimize(bound, user, name=self.options.get("name", "dynamo graph"), capture="whole",
-                            **{k: v for k, v in self.options.items() if k in ("theta", "device", "verify", "gemm", "decide",
-                                                                                "precision", "tolerance")})
+                            **{k: v for k, v in self.options.items() if k in PLAN_OPTIONS})
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else ""
             self._record(key, f"opfuse.optimize failed: {type(exc).__name__}: {first}")

@@ -134,7 +134,8 @@ class Generation:
 
     def __init__(self, model: torch.nn.Module, options: dict):
         self.model = model
-        self.options = {k: v for k, v in options.items() if k in ("theta", "device", "verify", "gemm", "decide")}
+        from .backend import PLAN_OPTIONS
+        self.options = {k: v for k, v in options.items() if k in PLAN_OPTIONS}
         self.graphs: list[tuple[str, object]] = []
         self.caches: OrderedDict = OrderedDict()
         self.last: dict = {}

@@ -145,3 +145,34 @@ def test_native_flag_is_reported(monkeypatch):
     loaded, _, gm = _plan(seq=3)
     info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=SLOWER)
     assert info["native"] == "avx512_bf16" and info["note"].startswith("native bf16")
+
+
+def test_generate_plans_take_the_precision(monkeypatch, tmp_path):
+    """``fused.generate`` plans prefill and decode with the options of ``optimize``:
+    both report ``precision="bf16"`` (here with the GEMMs measured slower: float32 kept,
+    so the tokens are eager's)."""
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(P, "_measure", lambda fp32, bf16: {"fp32": 1e-4, "bf16": 2e-4})
+    import transformers as T
+    torch.manual_seed(0)
+    lm = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                                          pad_token_id=0)).eval()
+    ids = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(0))
+    fused = opfuse.optimize(lm, (ids,), decide="rho", precision="bf16")
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    with torch.no_grad():
+        assert torch.equal(fused.generate(ids, **kw), lm.generate(ids, **kw))
+    phases = {phase for phase, graph in fused.generation.graphs
+              for r in graph.reports if r.precision.get("requested") == "bf16"}
+    assert phases == {"prefill", "decode"}
+
+
+def test_snapshots_skip_prepacked_weights():
+    """Recording values (precision's measurement) on a plan holding oneDNN prepacked weights:
+    the snapshot skips those opaque constants instead of failing on torch.equal."""
+    loaded = load("bert-tiny", batch=1, seq=5)
+    fused = opfuse.optimize(loaded.model, loaded.args, decide="rho", gemm="packed")
+    gm = next(iter(fused._plans.values())).gm
+    info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=SLOWER)
+    assert info["gemms"] and all(g["precision"] == "fp32" for g in info["gemms"])

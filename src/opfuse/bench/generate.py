@@ -91,6 +91,15 @@ def _peers(model, ids, mask, against, log) -> list[Peer]:
         return fused.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
     fused_generate(2)
     peers.append(Peer("opfuse", fused_generate, cold_s=time.perf_counter() - start, detail={"module": fused}))
+    if "opfuse-bf16" in against:
+        log("building opfuse precision='bf16'")
+        start = time.perf_counter()
+        low = opfuse.optimize(model, (ids,), example_kwargs={"attention_mask": mask}, precision="bf16")
+
+        def low_generate(n):
+            return low.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        low_generate(2)
+        peers.append(Peer("opfuse-bf16", low_generate, cold_s=time.perf_counter() - start, detail={"module": low}))
     if "static-compile" in against:
         log("building HF StaticCache + torch.compile (inductor)")
         from opfuse.generate import _own_code, routed_forward  # own dynamo cache; HF reads the signature

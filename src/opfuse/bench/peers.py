@@ -7,6 +7,9 @@ and is shown as failed, never dropped.
     opfuse     opfuse.optimize (capture → ... → verify → rewrite → GEMM backends), cold time
                includes verification and the GEMM measurements (cached afterwards)
     opfuse-aten  the same with eager's GEMMs (gemm="aten"): the fusions' share alone
+    opfuse-bf16  opfuse.optimize(..., precision="bf16"): GEMMs in bf16 where measured error
+               and time allow (opfuse.precision); the notes say how many
+    autocast-bf16  the eager model under torch.autocast("cpu", dtype=torch.bfloat16)
     inductor   torch.compile(model) (default mode); cold time = first call
     ort        torch.onnx.export (dynamo=False first, then dynamo=True) + ONNX Runtime, ORT_ENABLE_ALL
     ort-opt    the same ONNX file through onnxruntime.transformers.optimizer.optimize_model
@@ -27,7 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-PEERS = ("eager", "opfuse", "opfuse-aten", "inductor", "ort", "ort-opt", "openvino", "openvino-default")
+PEERS = ("eager", "opfuse", "opfuse-aten", "opfuse-bf16", "autocast-bf16", "inductor", "ort", "ort-opt", "openvino",
+         "openvino-default")
 # onnxruntime.transformers.optimizer model_type per opfuse model family
 ORT_MODEL_TYPE = {"minilm": "bert", "bert": "bert", "gpt2": "gpt2", "llama": "gpt2", "vit": "vit"}
 
@@ -76,10 +80,10 @@ def build_eager(model, args) -> Peer:
 
 
 def build_opfuse(model, args, name: str, theta: float = 0.3, gemm: str | None = None,
-                 label: str = "opfuse") -> Peer:
+                 label: str = "opfuse", precision: str = "fp32") -> Peer:
     import opfuse
     t = time.perf_counter()
-    fused = opfuse.optimize(model, args, theta=theta, name=name, gemm=gemm)
+    fused = opfuse.optimize(model, args, theta=theta, name=name, gemm=gemm, precision=precision)
     cold = time.perf_counter() - t
 
     def fn():
@@ -88,7 +92,21 @@ def build_opfuse(model, args, name: str, theta: float = 0.3, gemm: str | None = 
     gemms = {}
     for g in fused.report.gemm:
         gemms[g["backend"]] = gemms.get(g["backend"], 0) + 1
-    return Peer(label, fn, cold_s=cold, detail={"fused": fused.report.counts(), "gemm": gemms, "module": fused})
+    detail = {"fused": fused.report.counts(), "gemm": gemms, "module": fused}
+    if fused.report.precision:
+        p = fused.report.precision
+        detail["export"] = (f"bf16 GEMMs {sum(g['precision'] == 'bf16' for g in p['gemms'])}/{len(p['gemms'])}"
+                            + ("" if p.get("native") else " (no native bf16)"))
+    return Peer(label, fn, cold_s=cold, detail=detail)
+
+
+def build_autocast(model, args) -> Peer:
+    def fn():
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return first_tensor(model(*args)).float()
+    t = time.perf_counter()
+    fn()
+    return Peer("autocast-bf16", fn, cold_s=time.perf_counter() - t)
 
 
 def build_inductor(model, args) -> Peer:
@@ -234,6 +252,11 @@ def build_peers(against: list[str], model, args, family: str, name: str, threads
     steps: list[tuple[str, Callable[[], list[Peer]]]] = [("opfuse", lambda: [build_opfuse(model, args, name, theta)])]
     if "opfuse-aten" in wanted:
         steps.append(("opfuse-aten", lambda: [build_opfuse(model, args, name, theta, gemm="aten", label="opfuse-aten")]))
+    if "opfuse-bf16" in wanted:
+        steps.append(("opfuse-bf16", lambda: [build_opfuse(model, args, name, theta, label="opfuse-bf16",
+                                                            precision="bf16")]))
+    if "autocast-bf16" in wanted:
+        steps.append(("autocast-bf16", lambda: [build_autocast(model, args)]))
     if "inductor" in wanted:
         steps.append(("inductor", lambda: [build_inductor(model, args)]))
     if "ort" in wanted or "ort-opt" in wanted:

@@ -85,7 +85,8 @@ class StateSnapshot:
         snap = cls(model)
         for mod in model.modules():
             for name, b in mod._buffers.items():
-                if b is not None:
+                # an opaque (oneDNN prepacked) weight is a folded constant no program writes
+                if b is not None and b.layout == torch.strided:
                     snap.buffers.append((mod._buffers, name, b, b.detach().clone()))
         return snap
 
