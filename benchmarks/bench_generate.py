@@ -30,6 +30,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true", help="skip HF StaticCache + torch.compile (cold ~1 min)")
     ap.add_argument("--bf16", action="store_true", help="also opfuse with precision='bf16' (peer opfuse-bf16)")
+    ap.add_argument("--breakdown", action="store_true", help="time per decode step by category (profiler)")
     ns = ap.parse_args()
     console = Console()
     against = ("ort", "openvino") if ns.no_compile else ("static-compile", "ort", "openvino")
@@ -39,8 +40,12 @@ def main() -> int:
             for batch in ns.batches:
                 with console.status(f"{name} batch {batch}, {threads} thread(s)") as status:
                     result = bench_generate(name, batch=batch, prompt=ns.prompt, new=ns.new, threads=threads,
-                                            against=against, repeat=ns.repeat, log=status.update)
+                                            against=against, repeat=ns.repeat, log=status.update,
+                                            with_breakdown=ns.breakdown)
                 console.print(generate_table(result))
+                if result["breakdown"]:
+                    from opfuse.bench.breakdown import breakdown_table
+                    console.print(breakdown_table(result["breakdown"], per="decode step"))
                 path = OUT / f"cpu_generate_{name}_b{batch}_p{ns.prompt}_n{ns.new}_t{threads}.json"
                 write_json(result, path)
                 write_csv(csv_rows(result),

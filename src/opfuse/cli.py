@@ -222,8 +222,12 @@ def _bench_generate(ns, console: Console) -> int:
     against = [{"inductor": "static-compile"}.get(a.strip(), a.strip()) for a in ns.against.split(",")]
     with console.status("benchmarking generate") as status:
         result = bench_generate(ns.model, batch=ns.batch or 1, prompt=ns.prompt, new=ns.new, threads=ns.threads,
-                                against=against, repeat=max(1, min(ns.repeat, 5)), log=lambda s: status.update(s))
+                                against=against, repeat=max(1, min(ns.repeat, 5)), log=lambda s: status.update(s),
+                                with_breakdown=ns.breakdown)
     console.print(generate_table(result))
+    if result["breakdown"]:
+        from opfuse.bench.breakdown import breakdown_table
+        console.print(breakdown_table(result["breakdown"], per="decode step"))
     opfuse_row = next((r for r in result["peers"] if r["peer"] == "opfuse" and r.get("plans")), None)
     if opfuse_row:
         from opfuse.report.text import generation_table

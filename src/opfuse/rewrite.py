@@ -308,12 +308,16 @@ def bind_op_builtins(gm: fx.GraphModule) -> int:
     """Give ``gm`` a forward that calls each op's C++ entry (``OpOverload._op``) instead of
     ``torch.ops.ns.op.overload(...)``, whose Python ``__call__`` frame costs ~2.5 µs per op
     (measured: a Llama decode step of ~520 ATen ops, 22.7 -> 21.5 ms; dynamo's torch-level
-    graph 20.9 ms). The graph is unchanged; the generated source is the same with the op
-    references bound as globals. The fast forward runs only while ``gm``'s code is the
+    graph 20.9 ms); opfuse's own ops are bound to :attr:`LibraryOp.direct` (their kernel
+    without the dispatcher's round trip into Python: ~14 µs less per call, the same checks;
+    the dispatcher still serves profiled runs). The graph is unchanged; the generated source
+    is the same with the op references bound as globals. The fast forward runs only while ``gm``'s code is the
     code it was made from: after any ``recompile()`` the regular forward runs (never a
     stale program). Returns the number of distinct ops bound (0: nothing changed)."""
     src = gm.code
     bound: dict[str, object] = {}
+
+    from .kernels._library import LibraryOp
 
     def bind(m: re.Match) -> str:
         ns, name, overload = m.groups()
@@ -321,6 +325,8 @@ def bind_op_builtins(gm: fx.GraphModule) -> int:
         entry = getattr(op, "_op", None)
         if not isinstance(op, torch._ops.OpOverload) or entry is None:
             return m.group(0)
+        if ns == "opfuse" and overload == "default" and name in LibraryOp.BY_NAME:
+            entry = LibraryOp.BY_NAME[name].direct  # opfuse's own ops: no dispatcher round trip
         key = f"_opfuse_bound_{ns}_{name}_{overload}"
         bound[key] = entry
         return key + "("

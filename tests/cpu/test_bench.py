@@ -165,8 +165,12 @@ def test_bench_generate_structure(monkeypatch):
     tiny = ("LlamaForCausalLM", "LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=500))
     monkeypatch.setitem(bg.GENERATE_MODELS, "llama-tiny", tiny)
-    result = bg.bench_generate("llama-tiny", batch=2, prompt=8, new=4, against=("ort", "openvino"), repeat=1)
+    result = bg.bench_generate("llama-tiny", batch=2, prompt=8, new=4, against=("ort", "openvino"), repeat=1,
+                               with_breakdown=True)
     rows = {r["peer"]: r for r in result["peers"]}
+    steps = result["breakdown"]  # per decode step: profiled generate(1 + n) minus generate(1)
+    assert set(steps) == {"eager", "opfuse"} and all(b["ops_per_call"] > 5 and b["total_s"] > 0 for b in steps.values())
+    assert steps["opfuse"]["per_call_s"]["GEMM"] > 0
     assert set(rows) == {"eager", "opfuse", "ort", "openvino"}
     assert rows["opfuse"]["same_tokens_as_eager"] and rows["eager"]["same_tokens_as_eager"]
     assert rows["ort"]["status"] == "failed" and "generate" in rows["ort"]["error"]

@@ -12,7 +12,9 @@ and what no op accounts for (graph interpreter, Python launchers, dispatch).
                     linear_add_layernorm's addmm counts as GEMM, its LayerNorm as fused)
         other ATen  every other op (LayerNorm, add, GELU, views, copies, masks …)
       overhead    = CALL time − Σ top-level op times: the Python between ops (FX graph
-                    code, opfuse's launchers before they dispatch, HF's own Python in eager)
+                    code, opfuse's launchers before they dispatch, HF's own Python in eager,
+                    dynamo's guards); the ops inside ``torch.compile``'d regions (opfuse's
+                    generate graphs) count as top-level ops
 
 The profiler adds a few µs per op, so shares are of the profiled run (its total is listed
 beside the unprofiled median the peers table gives). Times are CPU seconds per call.
@@ -28,6 +30,26 @@ CALL = "opfuse.breakdown.call"
 CATEGORIES = ("GEMM", "attention", "fused", "other ATen", "overhead")
 _GEMM = {"aten::addmm", "aten::addmm_", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
          "aten::_addmm_activation", "mkldnn::_linear_pointwise"}
+
+
+#: Profiler ranges that wrap the ops of a compiled graph (``torch.compile``, opfuse's
+#: ``fused.generate``): descended into; their own time (dynamo's guards, the graph's Python
+#: code) is overhead.
+_WRAPPERS = ("Torch-Compiled Region", "TorchDynamo Cache Lookup", "CompiledFunction")
+
+
+def _ops(event):
+    """The ops directly dispatched under ``event``, looking through :data:`_WRAPPERS`:
+    (op events, µs of the wrappers' own time)."""
+    ops, wrapped = [], 0.0
+    for child in event.cpu_children:
+        if child.name.startswith(_WRAPPERS):
+            inner, own = _ops(child)
+            ops += inner
+            wrapped += own + child.cpu_time_total - sum(e.cpu_time_total for e in child.cpu_children)
+        else:
+            ops.append(child)
+    return ops, wrapped
 
 
 def category(name: str) -> str:
@@ -72,7 +94,8 @@ def breakdown(fn: Callable[[], object], calls: int = 5, warmup: int = 2) -> dict
     n_ops = 0
     for root in roots:
         inside = 0.0
-        for e in root.cpu_children:
+        children, _ = _ops(root)
+        for e in children:
             cat = category(e.name)
             t = e.cpu_time_total
             inside += t
@@ -95,15 +118,28 @@ def breakdown(fn: Callable[[], object], calls: int = 5, warmup: int = 2) -> dict
             "total_s": total, "ops_per_call": n_ops / n, "top": top}
 
 
-def breakdown_table(results: dict):
-    """A rich table: one column per system (``results``: name -> :func:`breakdown` result)."""
+def step_breakdown(generate: Callable[[int], object], steps: int = 16, calls: int = 2) -> dict:
+    """Per decode step of ``generate(n)`` (n new tokens): :func:`breakdown` of ``generate(1 +
+    steps)`` minus that of ``generate(1)`` (prefill and the loop's set-up cancel), divided by
+    ``steps``; the same keys as :func:`breakdown` (no ``top``)."""
+    long = breakdown(lambda: generate(1 + steps), calls=calls, warmup=1)
+    short = breakdown(lambda: generate(1), calls=calls, warmup=1)
+    per = {k: max(0.0, (long["per_call_s"][k] - short["per_call_s"][k]) / steps) for k in CATEGORIES}
+    total = sum(per.values())
+    return {"per_call_s": per, "share": {k: v / total if total else 0.0 for k, v in per.items()}, "total_s": total,
+            "ops_per_call": (long["ops_per_call"] - short["ops_per_call"]) / steps}
+
+
+def breakdown_table(results: dict, per: str = "call"):
+    """A rich table: one column per system (``results``: name -> :func:`breakdown` or
+    :func:`step_breakdown` result; ``per`` names the unit: "call" or "decode step")."""
     from rich.table import Table
-    table = Table(title="where the time goes (torch.profiler, CPU ms per call and share)")
+    table = Table(title=f"where the time goes (torch.profiler, CPU ms per {per} and share)")
     table.add_column("category")
     for name in results:
         table.add_column(name, justify="right")
     for cat in CATEGORIES:
         table.add_row(cat, *(f"{r['per_call_s'][cat] * 1e3:.1f} ({r['share'][cat]:.0%})" for r in results.values()))
     table.add_row("profiled total", *(f"{r['total_s'] * 1e3:.1f}" for r in results.values()))
-    table.add_row("ops dispatched per call", *(f"{r['ops_per_call']:.0f}" for r in results.values()))
+    table.add_row(f"ops dispatched per {per}", *(f"{r['ops_per_call']:.0f}" for r in results.values()))
     return table

@@ -121,7 +121,8 @@ def _peers(model, ids, mask, against, log) -> list[Peer]:
 
 
 def bench_generate(name: str, batch: int = 1, prompt: int = 128, new: int = 128, threads: int = 1,
-                   against=("static-compile", "ort", "openvino"), repeat: int = 3, log=lambda s: None) -> dict:
+                   against=("static-compile", "ort", "openvino"), repeat: int = 3, log=lambda s: None,
+                   with_breakdown: bool = False) -> dict:
     """Run the generation comparison and return it as plain data (module docstring)."""
     set_threads(threads)
     model = build_lm(name)
@@ -168,8 +169,13 @@ def bench_generate(name: str, batch: int = 1, prompt: int = 128, new: int = 128,
     for r in rows:
         if r["status"] == "ok":
             r["decode_speedup_vs_eager"] = eager_step / r["decode_step_ms"]
+    result_breakdown = {}
+    if with_breakdown:
+        from .breakdown import step_breakdown
+        log("profiling a decode step of eager and opfuse")
+        result_breakdown = {p.name: step_breakdown(p.fn) for p in ok if p.name in ("eager", "opfuse", "static-compile")}
     return {"model": name, "batch": batch, "prompt": prompt, "new": new, "threads": threads, "repeat": repeat,
-            "machine": machine.describe(),
+            "breakdown": result_breakdown, "machine": machine.describe(),
             "floor": {"weight_bytes_per_step": weight_bytes, "gemv_bytes_per_s": bw,
                       "decode_step_ms": 1e3 * floor_step_s, "decode_tok_s": batch / floor_step_s},
             "peers": rows}

@@ -49,10 +49,14 @@ class LibraryOp:
     registers the function as its kernel for every backend, and offers ``register_fake``
     like a ``custom_op`` does. Calling the object calls the op."""
 
+    #: name -> LibraryOp, every op defined (for :meth:`direct`).
+    BY_NAME: dict[str, LibraryOp] = {}
+
     def __init__(self, name: str, schema: str, fn: Callable):
         self.name = name
         self._fn = fn
         LIB.define(f"{name}{schema}")
+        LibraryOp.BY_NAME[name] = self
 
         self._fake: Callable | None = None
 
@@ -67,6 +71,17 @@ class LibraryOp:
         LIB.impl(name, kernel, "CompositeExplicitAutograd")
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
+        entry = getattr(torch.ops.opfuse, name).default._op
+        profiling = torch._C._autograd._profiler_enabled  # ~0.1 µs
+
+        def direct(*args):
+            # the dispatcher's round trip into ``kernel`` (boxing, the Python frame) costs ~14 µs
+            # a call on one-row decode inputs; the dispatcher still serves a profiled run (the
+            # op appears under its name) and a call that autograd would see (which raises there)
+            if profiling() or (torch.is_grad_enabled() and _needs_grad(args)):
+                return entry(*args)
+            return kernel(*args)
+        self._direct = direct
 
     @classmethod
     def define(cls, name: str, schema: str) -> Callable[[Callable], LibraryOp]:
@@ -94,3 +109,10 @@ class LibraryOp:
 
     def __call__(self, *args):
         return self.default(*args)
+
+    @property
+    def direct(self) -> Callable:
+        """The op's kernel called from Python without the dispatcher: the same checks (an
+        input that needs grad, empty inputs) and result as ``torch.ops.opfuse.<name>.default``;
+        what plans bind (:func:`opfuse.rewrite.bind_op_builtins`)."""
+        return self._direct
