@@ -90,7 +90,8 @@ def cmd_optimize(ns, console: Console, explain_only: bool = False) -> int:
                                     example_kwargs=loaded.kwargs)
         else:
             fused = opfuse.optimize(loaded.model, loaded.args, theta=ns.theta, name=ns.model,
-                                    example_kwargs=loaded.kwargs, dynamic=bool(getattr(ns, "dynamic", False)))
+                                    example_kwargs=loaded.kwargs, dynamic=bool(getattr(ns, "dynamic", False)),
+                                    gemm=getattr(ns, "gemm", None), precision=getattr(ns, "precision", "fp32"))
             report = fused.report
     print_report(report, console, limit=None if ns.all else 40)
     if not explain_only and getattr(ns, "save", None):
@@ -266,6 +267,9 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument("--dynamic", action="store_true",
                            help="one plan for every batch and sequence length (opfuse.optimize(dynamic=True))")
             p.add_argument("--save", metavar="DIR", help="save the plan to DIR (opfuse.save); run it with opfuse load")
+            p.add_argument("--gemm", default=None, help="GEMM backend: auto (measured, default), aten, wt, onednn, packed")
+            p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                           help="bf16: GEMMs in bf16 where measured error and time allow (opfuse.precision)")
     ld = sub.add_parser("load", help="load a plan saved by opfuse optimize --save DIR, print its report and time it")
     ld.add_argument("dir")
     ld.add_argument("--batch", type=int, default=1, help="batch of the timed forward (dynamic plans)")

@@ -176,3 +176,16 @@ def test_snapshots_skip_prepacked_weights():
     gm = next(iter(fused._plans.values())).gm
     info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=SLOWER)
     assert info["gemms"] and all(g["precision"] == "fp32" for g in info["gemms"])
+
+
+def test_cli_optimize_precision_and_gemm(tmp_path, capsys):
+    import json
+
+    from opfuse.cli import main
+    out = tmp_path / "r.json"
+    assert main(["optimize", "bert-tiny", "--batch", "1", "--seq", "5", "--precision", "bf16", "--gemm", "packed",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["precision"]["requested"] == "bf16" and data["precision"]["gemms"]
+    assert data["gemm"] and {g["backend"] for g in data["gemm"]} == {"packed"}
+    assert "Precision" in capsys.readouterr().out

@@ -91,8 +91,9 @@ class FusionReport:
         }
 
     def to_dict(self) -> dict:
-        """JSON-serialisable dict with keys ``regions``, ``near_misses``, ``totals`` and
-        the header fields (model, inputs, dtype, device, theta, verified, timings_s)."""
+        """JSON-serialisable dict with keys ``regions``, ``near_misses``, ``totals``, the
+        header fields (model, inputs, dtype, device, theta, verified, timings_s), the GEMM
+        backends, the capture, ``precision`` (:mod:`opfuse.precision`) and ``shared_masks``."""
         return {
             "model": self.model, "inputs": self.inputs, "dtype": self.dtype, "device": self.device,
             "theta": self.theta, "version": self.version, "verified": self.verified,
@@ -104,6 +105,8 @@ class FusionReport:
             "respelled": dict(self.respelled),
             "gemm": list(self.gemm),
             "capture": dict(self.capture),
+            "precision": dict(self.precision),
+            "shared_masks": self.shared_masks,
         }
 
     def to_json(self, path=None) -> str:
