@@ -50,6 +50,7 @@ from torch import fx
 
 from .cost.device import busy, cpu_model, load_cache, save_cache
 from .graph.meta import concrete as as_int
+from .graph.meta import decided_at
 from .graph.state import foldable, note_derived
 from .rewrite import drop_unused_parameters
 
@@ -257,6 +258,25 @@ def choose(site: Site, args: list, backends: list[GemmBackend], cache: dict,
                            else "aten fastest")
 
 
+def combine(measured: list[tuple[str, dict]]) -> tuple[str, dict, str]:
+    """One backend for several sizes of a dynamic plan: ``measured`` = [(size label, median
+    times per backend)], the first the decided-at size. The backend whose *worst* time
+    relative to aten over the sizes is lowest replaces aten when that worst ratio is at
+    least :data:`MARGIN` below 1 (a prepacked oneDNN weight that wins at 128 rows but loses
+    at one row is not taken). Returns (backend, times with ``@label`` keys for the other
+    sizes, reason)."""
+    names = [n for n in measured[0][1] if all(n in t for _, t in measured)]
+    worst = {n: max(t[n] / t["aten"] for _, t in measured) for n in names}
+    best = min(worst, key=worst.__getitem__)
+    times = dict(measured[0][1])
+    for label, t in measured[1:]:
+        times.update({f"{n}@{label}": v for n, v in t.items()})
+    sizes = " and ".join(label for label, _ in measured)
+    if best != "aten" and worst[best] <= 1 - MARGIN:
+        return best, times, f"{best} ≥ {1 / worst[best]:.2f}x faster than aten at {sizes} (median of {ROUNDS})"
+    return "aten", times, f"aten kept: no backend {MARGIN:.0%} faster at every one of {sizes}"
+
+
 def check_mode(mode: str | None) -> None:
     """Raise ValueError unless ``mode`` is None, ``"auto"`` or a backend name."""
     if mode not in (None, "auto", *(be.name for be in BACKENDS)):
@@ -268,7 +288,8 @@ def _mode() -> str:
     return os.environ.get("OPFUSE_GEMM", "auto")
 
 
-def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None) -> list[GemmChoice]:
+def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None, also_at: list[dict] | None = None
+                       ) -> list[GemmChoice]:
     """Pipeline pass: for every float32 CPU GEMM whose weight is a parameter (``aten.linear``
     and opfuse ops with a GEMM inside, :func:`sites`), choose a backend (:func:`choose`) and
     rewrite: ``wt`` folds a pre-transposed copy of the weight into the plan; ``onednn``
@@ -276,7 +297,10 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None) -> list[Gemm
     ``packed`` folds oneDNN's prepacked copy (one per weight) and runs every site on it.
 
     ``mode`` (default ``OPFUSE_GEMM`` or ``"auto"``): ``"auto"`` measures; ``"aten"`` keeps
-    eager's GEMMs; a backend name forces it where usable. Returns the choices (for the report).
+    eager's GEMMs; a backend name forces it where usable. ``also_at``: other sizes of a
+    dynamic plan ({symbol: size}, e.g. the range's minimum) at which a GEMM with symbolic
+    rows is measured too; the backend must win at every size (:func:`combine`). Returns the
+    choices (for the report).
 
     Raises:
         ValueError: unknown mode.
@@ -315,6 +339,19 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None) -> list[Gemm
         if mode == "auto":
             name, times, reason = choose(site, args, backends, cache,
                                          concrete=lambda: [_value(gm, a, concrete=True) for a in node.args])
+            symbolic = any(isinstance(d, torch.SymInt) for d in xv.shape[:-1])
+            if symbolic and also_at:
+                measured = [(f"M={m}", times)]
+                for sizes in also_at:
+                    with decided_at(sizes):
+                        rows = as_int(prod(xv.shape[:-1]))
+                        if rows == m or rows < 1 or f"M={rows}" in dict(measured):
+                            continue
+                        at = [_value(gm, a, concrete=True) for a in node.args]
+                        other = choose(site, at, backends, cache)[1]
+                    measured.append((f"M={rows}", other))
+                if len(measured) > 1:
+                    name, times, reason = combine(measured)
         elif any(be.name == mode for be in backends):
             name, times, reason = mode, {}, f"forced (gemm={mode})"
         else:

@@ -210,7 +210,8 @@ def _plan_captured(gm, spec, model, args, kwargs, lap, timings, *, theta, device
     if rewrite_graph:
         rewrite(gm, cands);                                         lap("rewrite")
         masks = shared_bool_masks(gm);                              lap("masks")
-        gemms = apply_gemm_choices(gm, gemm);                       lap("gemm")
+        smallest = [{sym: lo for sym, lo, _ in spec.ranges}] if spec is not None else None
+        gemms = apply_gemm_choices(gm, gemm, also_at=smallest);     lap("gemm")
         lowp = apply_precision(gm, args, kwargs, precision, tolerance); lap("precision")
         in_place = inplace_cache_writes(gm);                        lap("in place")
         bind_op_builtins(gm);                                       lap("bind ops")

@@ -194,3 +194,28 @@ def test_op_sequence_after_is_the_same_whatever_the_gemm_backend(mode):
     other = opfuse.optimize(loaded.model, loaded.args, gemm=mode).report
     assert "[qkv_merge]" in base.ops_after
     assert other.ops_after == base.ops_after
+
+
+def test_dynamic_plans_choose_a_backend_that_wins_at_every_size():
+    """A backend faster at the decided-at size but slower at the range's smallest (a oneDNN
+    prepacked weight at one row) is not taken; one faster at both is."""
+    at128 = {"aten": 1.0, "wt": 0.95, "packed": 0.80}
+    at1 = {"aten": 1.0, "wt": 0.90, "packed": 1.30}
+    name, times, reason = gemm.combine([("M=128", at128), ("M=1", at1)])
+    assert name == "wt" and times["packed@M=1"] == 1.30 and "M=128 and M=1" in reason
+    name, _, reason = gemm.combine([("M=128", at128), ("M=1", {"aten": 1.0, "wt": 1.2, "packed": 1.3})])
+    assert name == "aten" and "every one of" in reason
+    assert gemm.combine([("M=128", at128)])[0] == "packed"
+
+
+def test_dynamic_plan_measures_the_smallest_size_too():
+    from opfuse.models import load
+    loaded = load("bert-tiny", batch=2, seq=16)
+    fused = opfuse.optimize(loaded.model, loaded.args, dynamic=True, decide="rho")
+    assert fused.report.gemm and all(any(k.endswith("@M=1") for k in g["times_s"]) for g in fused.report.gemm)
+    for b, s in [(1, 1), (3, 33)]:
+        ids = torch.randint(0, 1000, (b, s))
+        mask = torch.ones_like(ids)
+        with torch.no_grad():
+            torch.testing.assert_close(fused(ids, mask).last_hidden_state, loaded.model(ids, mask).last_hidden_state,
+                                       rtol=1e-5, atol=1e-5)
