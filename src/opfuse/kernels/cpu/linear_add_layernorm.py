@@ -1,12 +1,13 @@
 """linear_add_layernorm: out = LayerNorm(x @ weight.T + bias + residual) * ln_weight + ln_bias,
 optionally also s = x @ weight.T + bias + residual (pre-LN models: the next residual).
 
-    x, weight, bias ── addmm (BLAS, eager's own call) ── h [M, N]
+    x, weight, bias ── GEMM (_gemm.linear: MKL addmm, or oneDNN on a prepacked weight) ── h [M, N]
     residual ───────────────────────────────────────────┴── per row (add_layernorm's kernel, in place in h):
                      shifted sum (h - h[0]) + (r - r[0]) ── mean/var ── normalise ──► out
                      └── (emit_sum) h + r ─────────────────────────────────────────► sum
 
-The GEMM is eager's ``addmm`` (bias in BLAS's C, no separate pass), and the residual add,
+The GEMM is eager's ``addmm`` (bias in BLAS's C, no separate pass) or, with a weight that
+opfuse.gemm prepacked, oneDNN's inner product (bias as its post-op), and the residual add,
 the statistics and the normalisation are one row pass over h while each row is in L1:
 the linear's output and the sum never make a round trip through memory of their own.
 The statistics are add_layernorm's shifted two-pass ones (each difference exact for rows
@@ -50,7 +51,6 @@ def linear_add_layernorm(
     k, n = check_linear_add_layernorm(x, weight, bias, residual, ln_weight, ln_bias, device_type="cpu")
 
     x2 = f32(x).reshape(-1, k)  # [M, K]
-    m = x2.shape[0]
     # [M, N] GEMM output (bias in BLAS's C or oneDNN's post-op), then the LayerNorm in place
     h = _gemm.linear(x2, _gemm.operand(weight), None if bias is None else f32(bias))  # read MK + NK + N, write MN
     out = h.numpy()
