@@ -288,6 +288,37 @@ def _mode() -> str:
     return os.environ.get("OPFUSE_GEMM", "auto")
 
 
+def _fold(gm: fx.GraphModule, node: fx.Node, w: fx.Node, kind: str, make: Callable[[], torch.Tensor],
+          folded: dict, view=None) -> tuple[fx.Node, int]:
+    """The node reading weight ``w``'s folded copy ``opfuse_folded_<kind>_<w>`` (``make()``,
+    registered and inserted before ``node`` the first time, read through ``view`` such as
+    ``aten.t`` when given), recorded as derived from ``w`` (never used stale); (that node,
+    the bytes it added: 0 when another site made it already)."""
+    ref = folded.get((kind, w.target))
+    if ref is not None:
+        return ref, 0
+    buf = f"opfuse_folded_{kind}_{w.target.replace('.', '_')}"
+    tensor = make()
+    gm.register_buffer(buf, tensor)
+    note_derived(gm, buf, [w.target])
+    with gm.graph.inserting_before(node):
+        ref = gm.graph.get_attr(buf)
+        if view is not None:
+            ref = gm.graph.call_function(view, (ref,))
+    ref.meta["val"] = w.meta.get("val")
+    folded[(kind, w.target)] = ref
+    return ref, tensor.numel() * tensor.element_size()
+
+
+def _replace_call(gm: fx.GraphModule, node: fx.Node, target, args: tuple) -> None:
+    """Replace ``node`` by a call of ``target`` on ``args`` (same meta, same users)."""
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(target, args)
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+
+
 def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None, also_at: list[dict] | None = None
                        ) -> list[GemmChoice]:
     """Pipeline pass: for every float32 CPU GEMM whose weight is a parameter (``aten.linear``
@@ -313,8 +344,7 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None, also_at: lis
     cache = load_cache(CACHE)
     size_before = len(cache)
     choices: list[GemmChoice] = []
-    transposed: dict[str, fx.Node] = {}
-    packed: dict[str, fx.Node] = {}
+    folded: dict[tuple, fx.Node] = {}  # (kind, weight target) -> its folded copy, made once per weight
     for node in list(gm.graph.nodes):
         site = table.get(node.target) if node.op == "call_function" else None
         if site is None or node.kwargs:
@@ -358,37 +388,14 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None, also_at: lis
             continue
         extra = 0
         if name == "wt":
-            view = transposed.get(w.target)
-            if view is None:
-                buf = f"opfuse_folded_wt_{w.target.replace('.', '_')}"
-                gm.register_buffer(buf, wv.detach().t().contiguous())
-                note_derived(gm, buf, [w.target])
-                with gm.graph.inserting_before(node):
-                    attr = gm.graph.get_attr(buf)
-                    view = gm.graph.call_function(aten.t.default, (attr,))
-                view.meta["val"] = w.meta.get("val")
-                transposed[w.target] = view
-                extra = wv.numel() * wv.element_size()
+            view, extra = _fold(gm, node, w, "wt", lambda: wv.detach().t().contiguous(), folded, aten.t.default)
             node.replace_input_with(w, view)
         elif name == "packed":
-            attr = packed.get(w.target)
-            if attr is None:
-                buf = f"opfuse_folded_packed_{w.target.replace('.', '_')}"
-                gm.register_buffer(buf, pack(wv, m))
-                gm.meta.setdefault("opfuse_packed_rows", {})[buf] = m  # persist packs it again (opfuse.save)
-                note_derived(gm, buf, [w.target])
-                with gm.graph.inserting_before(node):
-                    attr = gm.graph.get_attr(buf)
-                attr.meta["val"] = w.meta.get("val")
-                packed[w.target] = attr
-                extra = wv.numel() * wv.element_size()
+            attr, extra = _fold(gm, node, w, "packed", lambda: pack(wv, m), folded)
+            gm.meta.setdefault("opfuse_packed_rows", {}).setdefault(attr.target, m)  # opfuse.save packs it again
             if site.kind == "linear":
                 b = node.args[site.b] if len(node.args) > site.b else None
-                with gm.graph.inserting_before(node):
-                    new = gm.graph.call_function(_ONEDNN_OPS["linear"](), (x, attr, b, "none", [], ""))
-                new.meta.update(node.meta)
-                node.replace_all_uses_with(new)
-                gm.graph.erase_node(node)
+                _replace_call(gm, node, _ONEDNN_OPS["linear"](), (x, attr, b, "none", [], ""))
             else:
                 node.replace_input_with(w, attr)
         elif name == "onednn":
@@ -398,11 +405,7 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None, also_at: lis
                 new_args = (x, node.args[3], w, b, "add")
             else:
                 new_args = (x, w, b, *post[site.kind])
-            with gm.graph.inserting_before(node):
-                new = gm.graph.call_function(_ONEDNN_OPS[site.kind](), new_args)
-            new.meta.update(node.meta)
-            node.replace_all_uses_with(new)
-            gm.graph.erase_node(node)
+            _replace_call(gm, node, _ONEDNN_OPS[site.kind](), new_args)
         choices.append(GemmChoice(node.name, site.kind, m, k, n, name,
                                   {kk: round(v, 9) for kk, v in times.items()}, reason, extra,
                                   node.meta.get("opfuse_pattern", "")))

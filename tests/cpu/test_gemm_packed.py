@@ -15,7 +15,6 @@ import torch
 import opfuse
 from opfuse import gemm
 from opfuse.kernels import reference as ref
-from opfuse.kernels.cpu import _gemm
 from opfuse.models import load as load_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not in this torch build")
@@ -64,7 +63,7 @@ def _d(c):
 def test_op_on_packed_weight_equals_oracle_and_aten_path(name, call, oracle, m):
     c = _case(m, seed=m)
     packed = {k: gemm.pack(c[k], m) for k in WEIGHTS}
-    assert all(_gemm.is_packed(t) and t.shape == c[k].shape for k, t in packed.items())
+    assert all(t.is_mkldnn and t.shape == c[k].shape for k, t in packed.items())
     with torch.no_grad():
         out = call(c, packed)
         aten = call(c, {k: c[k] for k in WEIGHTS})

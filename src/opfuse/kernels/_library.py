@@ -76,11 +76,9 @@ class LibraryOp:
 
         def direct(*args):
             # the dispatcher's round trip into ``kernel`` (boxing, the Python frame) costs ~14 µs
-            # a call on one-row decode inputs; the dispatcher still serves a profiled run (the
-            # op appears under its name) and a call that autograd would see (which raises there)
-            if profiling() or (torch.is_grad_enabled() and _needs_grad(args)):
-                return entry(*args)
-            return kernel(*args)
+            # a call on one-row decode inputs; a profiled run still dispatches (the op appears
+            # under its name); ``kernel`` itself refuses what needs grad and answers empty inputs
+            return entry(*args) if profiling() else kernel(*args)
         self._direct = direct
 
     @classmethod

@@ -28,11 +28,6 @@ from __future__ import annotations
 import torch
 
 
-def is_packed(weight: torch.Tensor) -> bool:
-    """``weight`` is a oneDNN prepacked (opaque ``torch._mkldnn``) tensor."""
-    return weight.is_mkldnn
-
-
 def operand(weight: torch.Tensor) -> torch.Tensor:
     """Detached float32 [N, K] weight, without a copy when it is row-major, the transposed
     view of a row-major [K, N] buffer (both are BLAS operands as they are) or prepacked."""
