@@ -221,6 +221,77 @@ def inplace_cache_writes(gm: fx.GraphModule) -> int:
     return done
 
 
+def _key_of(value):
+    """A hashable stand-in for an FX argument (nodes by identity, floats by ``repr`` so that
+    NaN equals NaN and 0.0 differs from -0.0); None for an argument that has none."""
+    if isinstance(value, fx.Node):
+        return ("node", value)
+    if isinstance(value, (list, tuple)):
+        items = tuple(_key_of(v) for v in value)
+        return None if None in items else (type(value).__name__, items)
+    if isinstance(value, float):
+        return ("float", repr(value))
+    if value is None or isinstance(value, (bool, int, str, torch.dtype, torch.device, torch.layout,
+                                           torch.memory_format)):
+        return (type(value).__name__, value)
+    return None
+
+
+def _written_aliases(graph: fx.Graph) -> set:
+    """Every node whose value an in-place op may change: the arguments of every mutating op
+    and every node that shares storage with one (views, ``getitem`` of a node, in both
+    directions)."""
+    from .graph.state import is_mutating
+    parent: dict = {}
+
+    def root(n):
+        while parent.get(n, n) is not n:
+            n = parent[n]
+        return n
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if getattr(node.target, "__name__", "") == "getitem" or _aliases(node):
+            for src in node.all_input_nodes[:1] if node.args else ():
+                parent[root(node)] = root(src)
+    written = {root(a) for n in graph.nodes if is_mutating(n) for a in n.all_input_nodes}
+    return {n for n in graph.nodes if root(n) in written}
+
+
+def dedupe_pure_ops(gm: fx.GraphModule) -> int:
+    """Common-subexpression elimination after the rewrite: a second call of the same pure op
+    on the same arguments reads the first call's result (a decode step recomputes, per layer,
+    the same ``unsqueeze`` of RoPE's cos / sin tables and the same ``arange`` of cache
+    positions: each is a Python dispatch per token).
+
+    Pure: an ATen or opfuse op overload whose schema writes nothing and is not seeded-random
+    (``torch.Tag.nondeterministic_seeded``). Never merged: a call whose inputs or result an
+    in-place op of the graph may change (the argument of a mutating op, or anything sharing
+    its storage), so no merged value is read across an in-place write. Returns the number of
+    calls removed."""
+    written = _written_aliases(gm.graph)
+    seen: dict = {}
+    removed = 0
+    for node in list(gm.graph.nodes):
+        op = node.target
+        if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or node in written \
+                or op._schema.is_mutable or torch.Tag.nondeterministic_seeded in op.tags \
+                or not op._schema.returns or any(a in written for a in node.all_input_nodes):
+            continue
+        key = (op, _key_of(node.args), _key_of(tuple(sorted(node.kwargs.items()))))
+        if None in key[1:]:
+            continue
+        first = seen.setdefault(key, node)
+        if first is not node:
+            node.replace_all_uses_with(first)
+            gm.graph.erase_node(node)
+            removed += 1
+    if removed:
+        gm.graph.lint()
+        gm.recompile()
+    return removed
+
+
 def _attention_mask_slot(node: fx.Node) -> tuple[str, int | str] | None:
     """Where an attention call takes its mask: ("arg", 3) or ("kwarg", "attn_mask"); None
     for other nodes."""

@@ -277,8 +277,10 @@ def check(match) -> str | None:
             # (an SDPA source, grouped-query rows included, reads a bool mask as keep/drop, as the kernel)
             return f"{name} {mask.name} is {mv.dtype} but added to the scores (+0/+1), not a keep/drop mask"
         # eager softmax of a fully masked (-inf) row is NaN; the SDPA kernel returns 0 there.
-        # Masks built by where(cond, 0, finite fill) (HF's finfo.min masks) never hold -inf.
-        unsure = not match.pattern.retarget and not _finite_mask(mask)
+        # Masks built by where(cond, 0, finite fill) (HF's finfo.min masks) never hold -inf. A
+        # boolean mask reaches the kernel only from an SDPA source (checked above), which reads
+        # it exactly as the kernel does: nothing to restore (and isneginf of a bool is False)
+        unsure = mv.dtype != torch.bool and not match.pattern.retarget and not _finite_mask(mask)
         dead = dead or unsure
         if name == "bias":
             match.params["bias_may_be_inf"] = unsure

@@ -67,6 +67,7 @@ class FusionReport:
     dynamic: dict = field(default_factory=dict)
     inplace_writes: int = 0   # functionalised cache writes put back in place (rewrite.inplace_cache_writes)
     shared_masks: int = 0     # boolean attention masks made additive once for all layers (rewrite.shared_bool_masks)
+    deduped_ops: int = 0      # repeated pure op calls merged after the rewrite (rewrite.dedupe_pure_ops)
     precision: dict = field(default_factory=dict)  # opfuse.precision.apply_precision (empty: float32 plan)
 
     @property
@@ -93,7 +94,7 @@ class FusionReport:
     def to_dict(self) -> dict:
         """JSON-serialisable dict with keys ``regions``, ``near_misses``, ``totals``, the
         header fields (model, inputs, dtype, device, theta, verified, timings_s), the GEMM
-        backends, the capture, ``precision`` (:mod:`opfuse.precision`) and ``shared_masks``."""
+        backends, the capture, ``precision`` (:mod:`opfuse.precision`), ``shared_masks`` and ``deduped_ops``."""
         return {
             "model": self.model, "inputs": self.inputs, "dtype": self.dtype, "device": self.device,
             "theta": self.theta, "version": self.version, "verified": self.verified,
@@ -107,6 +108,7 @@ class FusionReport:
             "capture": dict(self.capture),
             "precision": dict(self.precision),
             "shared_masks": self.shared_masks,
+            "deduped_ops": self.deduped_ops,
         }
 
     def to_json(self, path=None) -> str:
