@@ -58,6 +58,12 @@ aten = torch.ops.aten
 MARGIN = 0.03           # a backend replaces aten only when ≥ 3% faster (median vs median)
 ROUNDS = 7              # interleaved timing rounds per shape
 WARMUP = 1              # untimed rounds first (oneDNN creates its primitive on the first call)
+#: At most this many rows (M), a GEMM is a weight stream (≤ 2·M/4 FLOP per weight byte, under
+#: these CPUs' balance of ~4–5 FLOP/B) whose weight comes from memory in a real forward: it is
+#: timed with the caches evicted before each call (:func:`opfuse.bench.timing.evict_caches`).
+#: Hot, a decode step's [1, 512] × [512, 1376] GEMV chose eager's layout; cold, the
+#: pre-transposed weight is faster (measured here: 227 vs 275 µs, 160 MB of weights cycled).
+COLD_ROWS = 8
 CACHE = "gemm_cpu.json"  # measured medians, under OPFUSE_CACHE_DIR
 
 
@@ -203,14 +209,17 @@ def _value(gm: fx.GraphModule, value, concrete: bool):
 def measure(site: Site, args: list, backends: list[GemmBackend]) -> dict[str, float]:
     """Median seconds of the site's op for each backend on ``args`` (concrete values), timed
     round-robin (:func:`opfuse.bench.timing.interleaved`, ``ROUNDS`` rounds) after one
-    untimed call each (``WARMUP``: oneDNN creates its primitive on the first call). A
+    untimed call each (``WARMUP``: oneDNN creates its primitive on the first call), with
+    the caches evicted before each call at ≤ :data:`COLD_ROWS` rows. A
     backend that raises there, or whose result differs from aten's beyond float32 round-off
     (1e-4 relative), is not a candidate (time inf)."""
     from .bench.timing import interleaved
+    from .bench.timing import evict_caches
     x, w = args[site.x], args[site.w]
     b = args[site.b] if site.b is not None and len(args) > site.b else None
     wt = w.t().contiguous().t()
     rows = prod(x.shape[:-1])
+    cold = evict_caches if rows <= COLD_ROWS else None
     calls = {}
     for be in backends:
         run = be.replace.get(site.kind) or site.run
@@ -230,7 +239,8 @@ def measure(site: Site, args: list, backends: list[GemmBackend]) -> dict[str, fl
         ref = results["aten"]
         bound = 1e-4 * float(ref.abs().max()) + 1e-5
         failed |= {name for name, y in results.items() if float((y - ref).abs().max()) > bound}
-        times = interleaved({n: c for n, c in calls.items() if n not in failed}, repeat=ROUNDS, warmup=WARMUP - 1)
+        times = interleaved({n: c for n, c in calls.items() if n not in failed}, repeat=ROUNDS, warmup=WARMUP - 1,
+                            before=cold)
     return {name: times[name]["median_s"] if name not in failed else float("inf") for name in calls}
 
 
@@ -243,8 +253,10 @@ def choose(site: Site, args: list, backends: list[GemmBackend], cache: dict,
         if isinstance(a, torch.Tensor):
             return "x".join(str(as_int(d)) for d in a.shape) + ":" + str(a.dtype).replace("torch.", "")
         return repr(a)
+    rows = prod(as_int(d) for d in args[site.x].shape[:-1])
     key = (f"{cpu_model()} | torch {torch.__version__} | threads {torch.get_num_threads()} | {site.kind}("
-           + ", ".join(sig(a) for a in args) + ") | " + ",".join(be.name for be in backends))
+           + ", ".join(sig(a) for a in args) + ") | " + ",".join(be.name for be in backends)
+           + (" | cold" if rows <= COLD_ROWS else ""))
     times = cache.get(key)
     if times is None:
         times = measure(site, concrete() if concrete else args, backends)
@@ -317,6 +329,33 @@ def _replace_call(gm: fx.GraphModule, node: fx.Node, target, args: tuple) -> Non
     new.meta.update(node.meta)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
+
+
+def direct_wt_matmuls(gm: fx.GraphModule) -> int:
+    """``aten.linear(x, t(Wᵀ))`` without a bias on a pre-transposed weight (``wt`` backend)
+    becomes ``aten.matmul(x, Wᵀ)``: what ``linear`` runs for a bias-less call
+    (``at::matmul(input, weight.t())``, the same GEMM on the same operands, bit for bit),
+    one Python dispatch instead of two (the ``t`` view and ``linear``) per GEMM and step; a
+    Llama decode step has 33 of them. Runs after the precision pass (which reads the
+    ``linear`` form). Returns the number of GEMMs rewritten."""
+    done = 0
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_function" and node.target is aten.linear.default and not node.kwargs
+                and (len(node.args) == 2 or (len(node.args) == 3 and node.args[2] is None))):
+            continue
+        view = node.args[1]
+        if not (isinstance(view, fx.Node) and view.op == "call_function" and view.target is aten.t.default
+                and isinstance(view.args[0], fx.Node) and view.args[0].op == "get_attr"
+                and str(view.args[0].target).startswith("opfuse_folded_wt_")):
+            continue
+        _replace_call(gm, node, aten.matmul.default, (node.args[0], view.args[0]))
+        if not view.users:
+            gm.graph.erase_node(view)
+        done += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
 
 
 def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None, also_at: list[dict] | None = None

@@ -19,13 +19,13 @@ from .graph.capture import CaptureError, capture, check_python_state
 from .graph.dynamic import (DynamicSpec, auto_shapes, export_shapes, sample_inputs, shape_env_of, size_assumptions,
                             spec_of, widen)
 from .graph.state import StateSnapshot, check_functional, copy_inputs, mutated_targets
-from .gemm import apply_gemm_choices
+from .gemm import apply_gemm_choices, direct_wt_matmuls
 from .graph.meta import decided_at, nbytes, tensor_values
 from .patterns import LIBRARY, SPELLINGS, Pattern, find_matches
 from .report.data import FusionReport, RegionRecord
 from .report.graph import graph_summary
 from .precision import apply_precision
-from .rewrite import bind_op_builtins, inplace_cache_writes, respell, rewrite, shared_bool_masks
+from .rewrite import bind_op_builtins, dedupe_pure_ops, inplace_cache_writes, respell, rewrite, shared_bool_masks
 from .timegate import check_mode as check_decide
 from .timegate import decide_by_time
 from .verify import model_error, record_values, verify_regions
@@ -213,7 +213,9 @@ def _plan_captured(gm, spec, model, args, kwargs, lap, timings, *, theta, device
         smallest = [{sym: lo for sym, lo, _ in spec.ranges}] if spec is not None else None
         gemms = apply_gemm_choices(gm, gemm, also_at=smallest);     lap("gemm")
         lowp = apply_precision(gm, args, kwargs, precision, tolerance); lap("precision")
+        direct_wt_matmuls(gm);                                      lap("wt matmuls")
         in_place = inplace_cache_writes(gm);                        lap("in place")
+        deduped = dedupe_pure_ops(gm);                              lap("dedupe")
         bind_op_builtins(gm);                                       lap("bind ops")
     report = make_report(model, args, kwargs, theta, cands, near, whole, timings, name)
     report.verified = bool(verify)
@@ -225,6 +227,7 @@ def _plan_captured(gm, spec, model, args, kwargs, lap, timings, *, theta, device
     if rewrite_graph:
         report.gemm = [asdict(g) for g in gemms]
         report.inplace_writes = in_place
+        report.deduped_ops = deduped
         report.shared_masks = masks
         report.precision = lowp
     if spec is not None:

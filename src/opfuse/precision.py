@@ -38,6 +38,7 @@ import torch
 from torch import fx
 
 from .cost.device import busy, cpu_model, load_cache, save_cache
+from .gemm import COLD_ROWS
 from .graph.meta import concrete as as_int
 from .graph.state import note_derived
 
@@ -105,15 +106,25 @@ def _sites(gm: fx.GraphModule) -> list[fx.Node]:
         if n.target is aten.linear.default or (
                 n.target is torch.ops.mkldnn._linear_pointwise.default and len(n.args) > 3 and n.args[3] == "none"):
             out.append(n)
+        elif n.target is aten.matmul.default and _wt_attr(n.args[1]):  # opfuse.gemm.direct_wt_matmuls' form
+            out.append(n)
     return out
 
 
-def _dense_weight(gm: fx.GraphModule, w) -> tuple[torch.Tensor, str] | None:
+def _wt_attr(w) -> bool:
+    return isinstance(w, fx.Node) and w.op == "get_attr" and str(w.target).startswith("opfuse_folded_wt_")
+
+
+def _dense_weight(gm: fx.GraphModule, w, transposed: bool = False) -> tuple[torch.Tensor, str] | None:
     """(float32 [N, K] weight, the attribute it is read from) of a GEMM's weight argument:
-    a parameter, a prepacked oneDNN copy, or the ``aten.t`` view of a pre-transposed copy."""
+    a parameter, a prepacked oneDNN copy, the ``aten.t`` view of a pre-transposed copy, or
+    (``transposed``: a ``matmul``'s [K, N] operand) the pre-transposed copy itself."""
     from operator import attrgetter
     if not isinstance(w, fx.Node):
         return None
+    if transposed:
+        t = attrgetter(w.target)(gm)
+        return (t.detach().t(), w.target) if w.op == "get_attr" and t.layout == torch.strided else None
     if w.op == "call_function" and w.target is aten.t.default and isinstance(w.args[0], fx.Node) \
             and w.args[0].op == "get_attr":
         t = attrgetter(w.args[0].target)(gm)
@@ -152,10 +163,14 @@ def end_to_end(out: list[torch.Tensor], ref: list[torch.Tensor]) -> dict:
     return {"max_error": err, "min_cosine": cos}
 
 
-def _measure(fp32: Callable, bf16: Callable) -> dict:
-    from .bench.timing import interleaved
+def _measure(fp32: Callable, bf16: Callable, rows: int) -> dict:
+    """Median seconds of each form; with the caches evicted before each call at ≤
+    :data:`opfuse.gemm.COLD_ROWS` rows (a weight stream, as in a decode step: there bf16's
+    half-size weight is what can gain)."""
+    from .bench.timing import evict_caches, interleaved
     with torch.no_grad():
-        times = interleaved({"fp32": fp32, "bf16": bf16}, repeat=ROUNDS, warmup=1)
+        times = interleaved({"fp32": fp32, "bf16": bf16}, repeat=ROUNDS, warmup=1,
+                            before=evict_caches if rows <= COLD_ROWS else None)
     return {k: v["median_s"] for k, v in times.items()}
 
 
@@ -195,7 +210,7 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
     for node in _sites(gm):
         x_node, w_arg = node.args[0], node.args[1]
         b_arg = node.args[2] if len(node.args) > 2 else None
-        dense = _dense_weight(gm, w_arg)
+        dense = _dense_weight(gm, w_arg, transposed=node.target is aten.matmul.default)
         x = env.get(x_node) if isinstance(x_node, fx.Node) else None
         y = env.get(node)
         b = env.get(b_arg) if isinstance(b_arg, fx.Node) else None
@@ -214,10 +229,10 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
             err = errors[node.name]
         node_args = [env.get(a, a) if isinstance(a, fx.Node) else a for a in node.args]
         key = (f"{cpu_model()} | torch {torch.__version__} | threads {torch.get_num_threads()} | bf16 vs "
-               f"{node.target}({m}x{k}, {n_out}x{k}, bias={b is not None})")
+               f"{node.target}({m}x{k}, {n_out}x{k}, bias={b is not None})" + (" | cold" if m <= COLD_ROWS else ""))
         times = timer(node, lambda: node.target(*node_args), lambda: bf16_linear(x, wb, b)) if timer else cache.get(key)
         if times is None:
-            times = _measure(lambda: node.target(*node_args), lambda: bf16_linear(x, wb, b))
+            times = _measure(lambda: node.target(*node_args), lambda: bf16_linear(x, wb, b), m)
             if busy() is None:
                 cache[key] = times
         faster = times["bf16"] <= times["fp32"] * (1 - MARGIN)

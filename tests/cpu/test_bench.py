@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import opfuse
 from opfuse.bench import kernels as bk
 from opfuse.bench import peers as bp
 from opfuse.bench.models import bench_model
@@ -180,6 +181,23 @@ def test_bench_generate_structure(monkeypatch):
     assert result["floor"]["weight_bytes_per_step"] == 4 * (sum(p.numel() for p in model.parameters()) - emb)
     assert result["floor"]["decode_step_ms"] > 0 and rows["opfuse"]["decode_tok_s"] > 0
     assert "decode tok/s" in str([c.header for c in bg.generate_table(result).columns])
+    # memory held beyond the weights: eager's cache of prompt + new tokens (2 layers × K/V ×
+    # 2 rows × 2 KV heads × 12 tokens × head dim 16 × 4 bytes); opfuse's pooled static cache
+    # of one 128-token bucket, and its folded weight copies as the plans' buffers count them
+    assert rows["eager"]["held_bytes"] == {"folded": 0, "cache": 2 * 2 * 2 * 2 * 12 * 16 * 4}
+    fused = rows["opfuse"]["held_bytes"]
+    assert fused["cache"] == 2 * 2 * 2 * 2 * 128 * 16 * 4
+    assert result["memory"]["static_cache_bytes"] == rows["eager"]["held_bytes"]["cache"]
+    assert {"held_folded_bytes", "held_cache_bytes"} <= set(bg.csv_rows(result)[0])
+
+
+def test_held_bytes_counts_each_folded_storage_once():
+    from opfuse.bench import generate as bg
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.Tanh(), torch.nn.Linear(32, 8)).eval()
+    fused = opfuse.optimize(model, (torch.randn(1, 16),), gemm="wt")
+    fused(torch.randn(3, 16))  # a second plan: its copies share the first one's storage
+    assert len(fused._plans) == 2
+    assert bg.held_bytes(fused) == {"folded": 4 * (16 * 32 + 32 * 8), "cache": 0}
 
 
 def test_serving_benchmark_structure_and_values():

@@ -98,7 +98,7 @@ def test_whole_model_over_budget_puts_gemms_back():
 
 def test_optimize_bf16_end_to_end_report_and_no_stale_weights(monkeypatch, tmp_path):
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(P, "_measure", lambda fp32, bf16: {"fp32": 2e-4, "bf16": 1e-4})
+    monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows: {"fp32": 2e-4, "bf16": 1e-4})
     loaded = load("bert-tiny", batch=2, seq=9)
     fused = opfuse.optimize(loaded.model, loaded.args, decide="rho", precision="bf16")
     p = fused.report.precision
@@ -121,7 +121,7 @@ def test_optimize_bf16_end_to_end_report_and_no_stale_weights(monkeypatch, tmp_p
 
 def test_bf16_plan_saves_and_loads(monkeypatch, tmp_path):
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(P, "_measure", lambda fp32, bf16: {"fp32": 2e-4, "bf16": 1e-4})
+    monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows: {"fp32": 2e-4, "bf16": 1e-4})
     loaded = load("llama-tiny", batch=1, seq=12)
     fused = opfuse.optimize(loaded.model, loaded.args, decide="rho", precision="bf16")
     opfuse.save(fused, tmp_path / "p")
@@ -152,7 +152,7 @@ def test_generate_plans_take_the_precision(monkeypatch, tmp_path):
     both report ``precision="bf16"`` (here with the GEMMs measured slower: float32 kept,
     so the tokens are eager's)."""
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(P, "_measure", lambda fp32, bf16: {"fp32": 1e-4, "bf16": 2e-4})
+    monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows: {"fp32": 1e-4, "bf16": 2e-4})
     import transformers as T
     torch.manual_seed(0)
     lm = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

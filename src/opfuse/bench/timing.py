@@ -21,11 +21,12 @@ def median_s(fn: Callable[[], object], repeat: int = 20, warmup: int = 2) -> flo
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeat: int = 20, warmup: int = 2,
-                budget_s: float | None = None) -> dict[str, dict]:
+                budget_s: float | None = None, before: Callable[[], object] | None = None) -> dict[str, dict]:
     """Time every ``fns[name]()`` ``repeat`` times in rounds (one call each per round).
 
     Returns ``{name: {"median_s", "min_s", "iqr_s", "n"}}``. ``budget_s`` stops early (after
-    at least 3 rounds) when the rounds so far took longer than that.
+    at least 3 rounds) when the rounds so far took longer than that. ``before`` (untimed)
+    runs before every timed call (e.g. :func:`evict_caches`).
     """
     for _ in range(warmup):
         for fn in fns.values():
@@ -34,6 +35,8 @@ def interleaved(fns: dict[str, Callable[[], object]], repeat: int = 20, warmup: 
     start = time.perf_counter()
     for i in range(repeat):
         for name, fn in fns.items():
+            if before is not None:
+                before()
             t = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - t)
@@ -44,3 +47,19 @@ def interleaved(fns: dict[str, Callable[[], object]], repeat: int = 20, warmup: 
         q = statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
         out[name] = {"median_s": statistics.median(xs), "min_s": min(xs), "iqr_s": q[2] - q[0], "n": len(xs)}
     return out
+
+
+#: Bytes :func:`evict_caches` streams: more than the last-level caches of this project's
+#: machines (48 MiB L3 on the 2-vCPU Xeon, 32 MiB per CCD on the EPYCs).
+EVICT_BYTES = 96 << 20
+_SCRATCH: list = []
+
+
+def evict_caches() -> None:
+    """Read :data:`EVICT_BYTES` of a scratch buffer, so what a timed call reads next comes
+    from memory, as a weight does in a model's forward (each weight is read once per step;
+    a decode step streams ~160 MB of them). The buffer is made once per process."""
+    import torch
+    if not _SCRATCH:
+        _SCRATCH.append(torch.ones(EVICT_BYTES // 4))
+    _SCRATCH[0].sum()
