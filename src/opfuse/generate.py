@@ -11,7 +11,8 @@ decode-step graph, with a preallocated KV cache written in place.
       │         K and V, L = prompt + new tokens rounded up to CACHE_BUCKET (≤ the model's
       │         max positions), allocated once per (B, L, dtype) and reset in place
       ▼
-      prefill graph  input_ids [B, P]  (HF asks for the last position's logits only)
+      prefill graph  input_ids [B, P]  (HF asks for the last position's logits only; eager's
+                     GEMMs, no weight copies: :data:`PREFILL_GEMM`)
       decode graph   input_ids [B, 1]  one plan per (B, L): every step of every call runs it;
                      the cache write is an in-place ``index_copy_`` (pipeline pass
                      ``inplace_cache_writes``), no copy of the cache per token
@@ -45,6 +46,12 @@ from .graph.dynamic import position_limit
 CACHE_BUCKET = 128
 #: Static caches kept per FusedModule (least recently used dropped first).
 MAX_CACHES = 2
+#: GEMM backend mode of the prefill graph (:func:`opfuse.gemm.apply_gemm_choices`) unless the
+#: user chose one: eager's GEMMs, no weight copies. The prefill runs once per call; on the
+#: Llama benchmark its pre-transposed / prepacked copies held 252 MB (more than the weights,
+#: on top of the decode plan's) and prefill measured no faster (1378–1501 vs eager's
+#: 1513–1558 tok/s). The decode step, run once per token, keeps its measured choices.
+PREFILL_GEMM = "aten"
 
 
 class GenerateError(ValueError):
@@ -145,7 +152,10 @@ class Generation:
     # -- dynamo → opfuse ------------------------------------------------------------------
     def _collect(self, gm, example_inputs):
         from .backend import CompiledGraph
-        compiled = CompiledGraph(gm, example_inputs, dict(self.options, name=f"{type(self.model).__name__} {self._phase}"))
+        options = dict(self.options, name=f"{type(self.model).__name__} {self._phase}")
+        if self._phase == "prefill" and options.get("gemm") is None:
+            options["gemm"] = PREFILL_GEMM
+        compiled = CompiledGraph(gm, example_inputs, options)
         self.graphs.append((self._phase, compiled))
         return compiled
 

@@ -207,3 +207,34 @@ def test_bias_less_wt_gemms_run_as_one_matmul(monkeypatch):
             model.float()
         model.a.weight.mul_(2)  # a weight changed after optimize: never stale
         torch.testing.assert_close(wt(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+def _tiny_lm():
+    import transformers as T
+    torch.manual_seed(0)
+    return T.LlamaForCausalLM(T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
+                                            pad_token_id=0)).eval()
+
+
+def _phase_plans(fused, phase):
+    return [p for ph, c in fused.generation.graphs if ph == phase for f in c.plans.values() if f is not None
+            for p in f._plans.values()]
+
+
+def test_generate_prefill_keeps_eager_gemms_unless_asked():
+    """The prefill graph (once per call) makes no weight copies by default
+    (generate.PREFILL_GEMM); a backend the user forces applies to it too."""
+    lm = _tiny_lm()
+    ids = torch.randint(3, 500, (1, 6), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    ref = lm.generate(ids, **kw)
+    for gemm, copies in ((None, False), ("wt", True)):
+        fused = opfuse.optimize(lm, (ids,), decide="rho", gemm=gemm)
+        assert torch.equal(fused.generate(ids, **kw), ref)
+        (prefill,) = _phase_plans(fused, "prefill")
+        folded = [n for n, _ in prefill.gm.named_buffers() if n.startswith(("opfuse_folded_wt_", "opfuse_folded_packed_"))]
+        assert bool(folded) == copies and bool(prefill.report.gemm) == copies
+        if copies:
+            (decode,) = _phase_plans(fused, "decode")
+            assert any(n.startswith("opfuse_folded_wt_") for n, _ in decode.gm.named_buffers())

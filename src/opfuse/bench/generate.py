@@ -126,6 +126,15 @@ def _peers(model, ids, mask, against, log) -> list[Peer]:
         return fused.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
     fused_generate(2)
     peers.append(Peer("opfuse", fused_generate, cold_s=time.perf_counter() - start, detail={"module": fused}))
+    if "opfuse-aten" in against:  # eager's GEMMs: no weight copies (the memory-lean plan)
+        log("building opfuse gemm='aten'")
+        start = time.perf_counter()
+        lean = opfuse.optimize(model, (ids,), example_kwargs={"attention_mask": mask}, gemm="aten")
+
+        def lean_generate(n):
+            return lean.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        lean_generate(2)
+        peers.append(Peer("opfuse-aten", lean_generate, cold_s=time.perf_counter() - start, detail={"module": lean}))
     if "opfuse-bf16" in against:
         log("building opfuse precision='bf16'")
         start = time.perf_counter()
