@@ -322,6 +322,20 @@ def _fold(gm: fx.GraphModule, node: fx.Node, w: fx.Node, kind: str, make: Callab
     return ref, tensor.numel() * tensor.element_size()
 
 
+def _transposed_source(gm: fx.GraphModule, w: fx.Node, wv: torch.Tensor) -> torch.Tensor | None:
+    """The model's tensor whose transpose the weight ``w`` ([N, K]) is, when ``w`` is the
+    folded copy ``opfuse_t_*`` that :func:`opfuse.graph.canonicalize.addmm_to_linear` made of
+    a contiguous [K, N] weight and still holds exactly its values: the ``wt`` layout exists
+    there already, so the backend reads that tensor (shared, detached) instead of copying it
+    back (GPT-2's Conv1D weights: 381 MB of copies in a decode plan). None otherwise."""
+    src = gm.meta.get("opfuse_transposed_of", {}).get(w.target)
+    if not (isinstance(src, torch.Tensor) and src.layout == torch.strided and src.is_contiguous()
+            and src.dtype == wv.dtype and src.device == wv.device and tuple(src.shape) == tuple(wv.shape[::-1])
+            and torch.equal(src.t(), wv)):
+        return None
+    return src.detach()
+
+
 def _replace_call(gm: fx.GraphModule, node: fx.Node, target, args: tuple) -> None:
     """Replace ``node`` by a call of ``target`` on ``args`` (same meta, same users)."""
     with gm.graph.inserting_before(node):
@@ -427,7 +441,11 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None, also_at: lis
             continue
         extra = 0
         if name == "wt":
-            view, extra = _fold(gm, node, w, "wt", lambda: wv.detach().t().contiguous(), folded, aten.t.default)
+            source = _transposed_source(gm, w, wv)
+            if source is not None:  # Wᵀ is already a tensor of the model (GPT-2's Conv1D [K, N]): no copy
+                view, _ = _fold(gm, node, w, "wt", lambda: source, folded, aten.t.default)
+            else:
+                view, extra = _fold(gm, node, w, "wt", lambda: wv.detach().t().contiguous(), folded, aten.t.default)
             node.replace_input_with(w, view)
         elif name == "packed":
             attr, extra = _fold(gm, node, w, "packed", lambda: pack(wv, m), folded)

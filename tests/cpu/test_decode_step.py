@@ -238,3 +238,28 @@ def test_generate_prefill_keeps_eager_gemms_unless_asked():
         if copies:
             (decode,) = _phase_plans(fused, "decode")
             assert any(n.startswith("opfuse_folded_wt_") for n, _ in decode.gm.named_buffers())
+
+
+def test_wt_reads_gpt2_conv1d_weights_without_copying_them_back(tmp_path):
+    """GPT-2's Conv1D weight is already [K, N] (the pre-transposed layout): the ``wt`` backend
+    reads it (shared storage) instead of copying the canonicalised [N, K] copy back; values
+    equal eager, an in-place weight update is seen, save/load round-trips."""
+    import transformers as T
+    torch.manual_seed(0)
+    model = T.GPT2Model(T.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100)).eval()
+    ids = torch.randint(0, 100, (1, 5), generator=torch.Generator().manual_seed(0))
+    fused = opfuse.optimize(model, (ids,), gemm="wt", decide="rho")
+    gm = next(iter(fused._plans.values())).gm
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    wt = {n: t for n, t in gm.named_buffers() if n.startswith("opfuse_folded_wt_opfuse_t_")}
+    assert len(wt) == 4 * 2 and all(t.untyped_storage().data_ptr() in own for t in wt.values())
+    assert [c["extra_bytes"] for c in fused.report.gemm if c["backend"] == "wt"] == [0] * 8  # every GEMM is a Conv1D
+    assert not any(n.startswith("opfuse_t_") for n, _ in gm.named_buffers())  # the [N, K] copies dropped
+    with torch.no_grad():
+        ref = model(ids).last_hidden_state
+        torch.testing.assert_close(fused(ids).last_hidden_state, ref, rtol=1e-5, atol=1e-5)
+        model.h[0].mlp.c_fc.weight.mul_(1.5)  # in place after optimize: never stale
+        torch.testing.assert_close(fused(ids).last_hidden_state, model(ids).last_hidden_state, rtol=1e-5, atol=1e-5)
+        opfuse.save(fused, tmp_path / "plan")
+        loaded = opfuse.load(tmp_path / "plan")
+        torch.testing.assert_close(loaded(ids).last_hidden_state, fused(ids).last_hidden_state, rtol=0, atol=0)

@@ -89,10 +89,12 @@ def kv_cache_bytes(model: torch.nn.Module, rows: int, tokens: int) -> int:
 
 def held_bytes(fused) -> dict:
     """What an optimized model holds beyond the model's own weights, in bytes: ``folded``,
-    the distinct storages of every plan's folded constants (pre-transposed / prepacked /
+    the distinct storages (other than the model's parameters') of every plan's folded constants (pre-transposed / prepacked /
     bf16 weight copies, merged QKV weights) over the forward and generation plans; ``cache``,
     the pooled static KV caches of :class:`opfuse.generate.Generation`."""
-    seen, folded = set(), 0
+    model = fused._model[0]
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()} if model is not None else set()
+    seen, folded = set(own), 0  # a buffer sharing a weight's storage (a wt view of it) adds nothing
     gms = [p.gm for p in fused._plans.values()]
     for _phase, compiled in fused.generation.graphs:
         gms += [plan.gm for f in compiled.plans.values() if f is not None for plan in f._plans.values()]

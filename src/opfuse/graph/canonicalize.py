@@ -293,6 +293,8 @@ def addmm_to_linear(gm: fx.GraphModule) -> int:
         if not hasattr(gm, name):
             gm.register_buffer(name, obj.detach().t().contiguous())
             note_derived(gm, name, [weight.target])
+            # the [K, N] original is what the ``wt`` GEMM backend would copy back: it reads this
+            gm.meta.setdefault("opfuse_transposed_of", {})[name] = obj
         with graph.inserting_before(out):
             wt = graph.get_attr(name)
             wt.meta["val"] = weight.meta["val"].new_empty((ws[1], ws[0]))
