@@ -119,33 +119,23 @@ def _peers(model, ids, mask, against, log) -> list[Peer]:
             return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                   **extra)
     peers = [Peer("eager", hf, cold_s=0.0)]
-    log("building opfuse (optimize + first generate: prefill and decode plans)")
     import opfuse
-    start = time.perf_counter()
-    fused = opfuse.optimize(model, (ids,), example_kwargs={"attention_mask": mask})
 
-    def fused_generate(n):
-        return fused.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    fused_generate(2)
-    peers.append(Peer("opfuse", fused_generate, cold_s=time.perf_counter() - start, detail={"module": fused}))
+    def opfuse_peer(name: str, **options) -> Peer:
+        """opfuse with ``options``: optimize + a first generate (prefill and decode plans), timed cold."""
+        log(f"building {name} (optimize + first generate: prefill and decode plans)")
+        start = time.perf_counter()
+        fused = opfuse.optimize(model, (ids,), example_kwargs={"attention_mask": mask}, **options)
+
+        def run(n):
+            return fused.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        run(2)
+        return Peer(name, run, cold_s=time.perf_counter() - start, detail={"module": fused})
+    peers.append(opfuse_peer("opfuse"))
     if "opfuse-aten" in against:  # eager's GEMMs: no weight copies (the memory-lean plan)
-        log("building opfuse gemm='aten'")
-        start = time.perf_counter()
-        lean = opfuse.optimize(model, (ids,), example_kwargs={"attention_mask": mask}, gemm="aten")
-
-        def lean_generate(n):
-            return lean.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        lean_generate(2)
-        peers.append(Peer("opfuse-aten", lean_generate, cold_s=time.perf_counter() - start, detail={"module": lean}))
+        peers.append(opfuse_peer("opfuse-aten", gemm="aten"))
     if "opfuse-bf16" in against:
-        log("building opfuse precision='bf16'")
-        start = time.perf_counter()
-        low = opfuse.optimize(model, (ids,), example_kwargs={"attention_mask": mask}, precision="bf16")
-
-        def low_generate(n):
-            return low.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        low_generate(2)
-        peers.append(Peer("opfuse-bf16", low_generate, cold_s=time.perf_counter() - start, detail={"module": low}))
+        peers.append(opfuse_peer("opfuse-bf16", precision="bf16"))
     if "static-compile" in against:
         log("building HF StaticCache + torch.compile (inductor)")
         from opfuse.generate import _own_code, routed_forward  # own dynamo cache; HF reads the signature
