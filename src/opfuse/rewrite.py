@@ -237,10 +237,11 @@ def _key_of(value):
     return None
 
 
-def _written_aliases(graph: fx.Graph) -> set:
-    """Every node whose value an in-place op may change: the arguments of every mutating op
-    and every node that shares storage with one (views, ``getitem`` of a node, in both
-    directions)."""
+def _unsafe_to_share(graph: fx.Graph) -> set:
+    """Nodes whose value must stay their own: every node that shares storage (views,
+    ``getitem``, in both directions) with an argument of an in-place op (its value may change
+    under a merged reader) or with a graph output (the caller may write one output in place;
+    eager's outputs are independent tensors)."""
     from .graph.state import is_mutating
     parent: dict = {}
 
@@ -254,8 +255,9 @@ def _written_aliases(graph: fx.Graph) -> set:
         if getattr(node.target, "__name__", "") == "getitem" or _aliases(node):
             for src in node.all_input_nodes[:1] if node.args else ():
                 parent[root(node)] = root(src)
-    written = {root(a) for n in graph.nodes if is_mutating(n) for a in n.all_input_nodes}
-    return {n for n in graph.nodes if root(n) in written}
+    unsafe = {root(a) for n in graph.nodes if is_mutating(n) for a in n.all_input_nodes}
+    unsafe |= {root(a) for n in graph.nodes if n.op == "output" for a in n.all_input_nodes}
+    return {n for n in graph.nodes if root(n) in unsafe}
 
 
 def dedupe_pure_ops(gm: fx.GraphModule) -> int:
@@ -267,9 +269,9 @@ def dedupe_pure_ops(gm: fx.GraphModule) -> int:
     Pure: an ATen or opfuse op overload whose schema writes nothing and is not seeded-random
     (``torch.Tag.nondeterministic_seeded``). Never merged: a call whose inputs or result an
     in-place op of the graph may change (the argument of a mutating op, or anything sharing
-    its storage), so no merged value is read across an in-place write. Returns the number of
-    calls removed."""
-    written = _written_aliases(gm.graph)
+    its storage), so no merged value is read across an in-place write, nor one whose result
+    is (or shares storage with) a graph output. Returns the number of calls removed."""
+    written = _unsafe_to_share(gm.graph)
     seen: dict = {}
     removed = 0
     for node in list(gm.graph.nodes):
