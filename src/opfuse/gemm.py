@@ -213,8 +213,7 @@ def measure(site: Site, args: list, backends: list[GemmBackend]) -> dict[str, fl
     the caches evicted before each call at ≤ :data:`COLD_ROWS` rows. A
     backend that raises there, or whose result differs from aten's beyond float32 round-off
     (1e-4 relative), is not a candidate (time inf)."""
-    from .bench.timing import interleaved
-    from .bench.timing import evict_caches
+    from .bench.timing import evict_caches, interleaved
     x, w = args[site.x], args[site.w]
     b = args[site.b] if site.b is not None and len(args) > site.b else None
     wt = w.t().contiguous().t()
@@ -345,6 +344,11 @@ def _replace_call(gm: fx.GraphModule, node: fx.Node, target, args: tuple) -> Non
     gm.graph.erase_node(node)
 
 
+def is_wt_copy(node) -> bool:
+    """``node`` reads a pre-transposed weight Wᵀ [K, N] that the ``wt`` backend folded."""
+    return isinstance(node, fx.Node) and node.op == "get_attr" and str(node.target).startswith("opfuse_folded_wt_")
+
+
 def direct_wt_matmuls(gm: fx.GraphModule) -> int:
     """``aten.linear(x, t(Wᵀ))`` without a bias on a pre-transposed weight (``wt`` backend)
     becomes ``aten.matmul(x, Wᵀ)``: what ``linear`` runs for a bias-less call
@@ -359,8 +363,7 @@ def direct_wt_matmuls(gm: fx.GraphModule) -> int:
             continue
         view = node.args[1]
         if not (isinstance(view, fx.Node) and view.op == "call_function" and view.target is aten.t.default
-                and isinstance(view.args[0], fx.Node) and view.args[0].op == "get_attr"
-                and str(view.args[0].target).startswith("opfuse_folded_wt_")):
+                and is_wt_copy(view.args[0])):
             continue
         _replace_call(gm, node, aten.matmul.default, (node.args[0], view.args[0]))
         if not view.users:
@@ -441,11 +444,10 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None, also_at: lis
             continue
         extra = 0
         if name == "wt":
-            source = _transposed_source(gm, w, wv)
-            if source is not None:  # Wᵀ is already a tensor of the model (GPT-2's Conv1D [K, N]): no copy
-                view, _ = _fold(gm, node, w, "wt", lambda: source, folded, aten.t.default)
-            else:
-                view, extra = _fold(gm, node, w, "wt", lambda: wv.detach().t().contiguous(), folded, aten.t.default)
+            source = _transposed_source(gm, w, wv)  # Wᵀ already a tensor of the model (GPT-2's Conv1D): no copy
+            view, extra = _fold(gm, node, w, "wt", (lambda: source) if source is not None
+                                else (lambda: wv.detach().t().contiguous()), folded, aten.t.default)
+            extra = 0 if source is not None else extra
             node.replace_input_with(w, view)
         elif name == "packed":
             attr, extra = _fold(gm, node, w, "packed", lambda: pack(wv, m), folded)

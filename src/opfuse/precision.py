@@ -38,7 +38,7 @@ import torch
 from torch import fx
 
 from .cost.device import busy, cpu_model, load_cache, save_cache
-from .gemm import COLD_ROWS
+from .gemm import COLD_ROWS, is_wt_copy
 from .graph.meta import concrete as as_int
 from .graph.state import note_derived
 
@@ -106,13 +106,9 @@ def _sites(gm: fx.GraphModule) -> list[fx.Node]:
         if n.target is aten.linear.default or (
                 n.target is torch.ops.mkldnn._linear_pointwise.default and len(n.args) > 3 and n.args[3] == "none"):
             out.append(n)
-        elif n.target is aten.matmul.default and _wt_attr(n.args[1]):  # opfuse.gemm.direct_wt_matmuls' form
+        elif n.target is aten.matmul.default and is_wt_copy(n.args[1]):  # opfuse.gemm.direct_wt_matmuls' form
             out.append(n)
     return out
-
-
-def _wt_attr(w) -> bool:
-    return isinstance(w, fx.Node) and w.op == "get_attr" and str(w.target).startswith("opfuse_folded_wt_")
 
 
 def _dense_weight(gm: fx.GraphModule, w, transposed: bool = False) -> tuple[torch.Tensor, str] | None:
