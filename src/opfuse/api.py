@@ -9,6 +9,7 @@ import torch
 
 from . import pipeline
 from .graph.capture import CaptureError, PythonStateError
+from .graph.dynamic import TOKEN_BUCKETS
 from .graph.meta import input_signature
 from .report.data import FusionReport
 
@@ -97,18 +98,41 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     return flat[:: max(1, flat.numel() // FINGERPRINT_SAMPLES)].clone()
 
 
+#: Interleaved timed calls of a token-bucket plan and the first plan at the bucket's
+#: typical size (:meth:`FusedModule._bucket_plans`), and the speed-up it must show to be kept.
+BUCKET_ROUNDS = 5
+BUCKET_MARGIN = 0.03
+
+
+def _derived(gm) -> dict:
+    """``gm.meta["opfuse_derived"]`` ({} for a plan run in pieces: a dynamo module, no meta)."""
+    meta = getattr(gm, "meta", None)
+    return meta.get("opfuse_derived", {}) if isinstance(meta, dict) else {}
+
+
 def _share_folded(gm, others: list) -> None:
-    """Make ``gm`` reuse an equal folded constant (concatenated QKV weights) of an earlier
-    plan instead of keeping one copy per input signature."""
+    """Make ``gm`` reuse an equal folded constant of an earlier plan (concatenated QKV
+    weights, pre-transposed or prepacked copies) instead of keeping one copy per input
+    signature or token bucket. Plain tensors are shared when equal; a oneDNN prepacked
+    weight (opaque: no ``torch.equal``) when it has the same name, shape and model tensors
+    it was made from (``opfuse_derived``): the same weight, perhaps blocked for another row
+    count, which any row count runs on (:func:`opfuse.gemm.pack`)."""
     if gm is None:
         return
-    seen = {n: t for o in others if o is not None for n, t in o.named_buffers() if n.startswith("opfuse_folded_")}
+    seen = {n: (t, o) for o in others if o is not None for n, t in o.named_buffers() if n.startswith("opfuse_folded_")}
+    roots = _derived(gm)
     for name, t in list(gm.named_buffers()):
-        same = seen.get(name)
-        if t.is_mkldnn or (same is not None and same.is_mkldnn):
-            continue  # a oneDNN prepacked weight (opaque: no torch.equal); its blocking is per shape anyway
-        if same is not None and same.shape == t.shape and same.dtype == t.dtype and torch.equal(same, t):
-            gm.register_buffer(name, same)
+        same, owner = seen.get(name, (None, None))
+        if same is None or same.shape != t.shape or same.dtype != t.dtype:
+            continue
+        if t.is_mkldnn or same.is_mkldnn:
+            made_of = roots.get(name)
+            if not (t.is_mkldnn and same.is_mkldnn and made_of
+                    and _derived(owner).get(name) == made_of):
+                continue
+        elif not torch.equal(same, t):
+            continue
+        gm.register_buffer(name, same)
 
 
 def _describe(args: tuple, kwargs: dict) -> str:
@@ -189,16 +213,25 @@ class FusedModule(torch.nn.Module):
         call, remembered under the call's exact key (bounded); None when there is none. A call
         of a dynamic plan's key outside its ranges re-plans statically with a warning
         (:class:`~opfuse.graph.dynamic.DynamicShapeError` under ``strict``)."""
+        holding, outside = [], None
         for plan in list(self._plans.values()):
             spec = plan.dynamic
             if spec is None or input_signature(args, kwargs, spec.wildcards) != plan.dynamic_key:
                 continue
-            outside = spec.out_of_range(args, kwargs)
-            if outside is None:
-                if len(self._aliases) >= 4 * self._max_plans:
-                    self._aliases.pop(next(iter(self._aliases)))
-                self._aliases[key] = plan
-                return plan
+            why = spec.out_of_range(args, kwargs)
+            if why is None:
+                holding.append(plan)
+            else:
+                outside = outside or why
+        if holding:  # every one is correct here; the one planned for this call's token bucket is faster
+            tokens = holding[0].dynamic.tokens_of(args, kwargs)
+            plan = next((p for p in holding if p.dynamic.tokens is not None
+                         and p.dynamic.tokens[0] <= tokens <= p.dynamic.tokens[1]), holding[0])
+            if len(self._aliases) >= 4 * self._max_plans:
+                self._aliases.pop(next(iter(self._aliases)))
+            self._aliases[key] = plan
+            return plan
+        if outside is not None:
             if self._options.get("strict"):
                 from .graph.dynamic import DynamicShapeError
                 raise DynamicShapeError(f"opfuse: {outside} (strict=True: no re-plan)")
@@ -206,6 +239,68 @@ class FusedModule(torch.nn.Module):
             self.replans.append(outside)
             return self._add_plan(key, self._plan(args, kwargs, dynamic=None))
         return None
+
+    def _bucket_plans(self, args: tuple, kwargs: dict, first) -> None:
+        """After the first dynamic plan (``first``, decided at the example as without
+        buckets; it serves the example's token bucket and every call no other plan is kept
+        for): one plan per other bucket of :func:`opfuse.graph.dynamic.token_buckets`,
+        planned on the example resized to the bucket's typical tokens (its GEMM backends
+        must win at the bucket's ends: :func:`opfuse.pipeline.gemm_sizes`), then timed there
+        against ``first``
+        (:data:`BUCKET_ROUNDS` interleaved calls each): kept only when at least
+        :data:`BUCKET_MARGIN` faster, so no bucket is slower than the one plan. Every
+        bucket's measurement and decision goes to ``first.report.dynamic["buckets"]``. A
+        bucket whose capture is not dynamic is skipped (its calls run ``first``)."""
+        from dataclasses import replace
+
+        from .bench.timing import interleaved
+        from .graph.dynamic import bucket_of, token_buckets
+        spec, edges = first.dynamic, self._options.get("buckets")
+        if spec is None or not edges:
+            return
+        own = bucket_of(spec, spec.tokens_of(args, kwargs), edges)
+        if own is None:
+            return
+        spec = first.dynamic = replace(spec, tokens=own)
+        first.report.dynamic["tokens"] = list(own)
+        options = {k: v for k, v in self._options.items() if k not in ("capture", "dynamic", "plan_cache")}
+        example, rows = spec.sizes(args, kwargs), []
+        for lo, hi, typical in token_buckets(spec, edges):
+            if (lo, hi) == tuple(spec.tokens):
+                continue
+            a, k = spec.resized(args, kwargs, spec.sizes_for_tokens(example, typical))
+            row = {"tokens": [lo, hi], "decided_at": spec.sizes(a, k)}
+            rows.append(row)
+            if not lo <= spec.tokens_of(a, k) <= hi:
+                row.update(kept=False, reason="the example's batch alone has more tokens")
+                continue
+            try:
+                plan = self._run(a, k, self._options.get("dynamic"), options)
+            except CaptureError as exc:
+                row.update(kept=False, reason=f"no dynamic capture at this size: {str(exc).splitlines()[0]}")
+                continue
+            if plan.dynamic is None or plan.dynamic.tokens is None \
+                    or input_signature(a, k, plan.dynamic.wildcards) != first.dynamic_key:
+                row.update(kept=False, reason="no dynamic capture of the same inputs at this size")
+                continue
+            plan.dynamic_key = first.dynamic_key
+            try:
+                with torch.no_grad():
+                    t = interleaved({"bucket": lambda: plan.gm(*a, **k), "first": lambda: first.gm(*a, **k)},
+                                    repeat=BUCKET_ROUNDS, warmup=1)
+            except AssertionError as exc:  # the first capture's guards exclude this size
+                row.update(kept=False, reason=f"not comparable at this size: {str(exc).splitlines()[0]}")
+                continue
+            gain = t["first"]["median_s"] / t["bucket"]["median_s"]
+            keep = gain >= 1 + BUCKET_MARGIN
+            row.update(kept=keep, bucket_s=t["bucket"]["median_s"], first_s=t["first"]["median_s"],
+                       reason=f"{gain:.2f}x the first plan's speed at {row['decided_at']} "
+                              f"({'kept' if keep else 'dropped'}: {BUCKET_MARGIN:.0%} needed)",
+                       fused=plan.report.counts())
+            if keep:
+                self._add_plan(input_signature(a, k), plan)
+        first.report.dynamic["buckets"] = [{"tokens": list(spec.tokens), "kept": True, "reason": "the example's"},
+                                           *rows]
 
     def _add_plan(self, key: tuple, plan):
         _share_folded(plan.gm, [p.gm for p in self._plans.values()])
@@ -233,6 +328,7 @@ class FusedModule(torch.nn.Module):
             if plan.dynamic is not None:
                 plan.dynamic_key = input_signature(args, kwargs, plan.dynamic.wildcards)
             self._add_plan(key, plan)
+            self._bucket_plans(args, kwargs, plan)
         return plan
 
     def _plan(self, args: tuple, kwargs: dict, dynamic=None):
@@ -247,7 +343,7 @@ class FusedModule(torch.nn.Module):
                             f"{_describe(args, kwargs)}: saved plans cover "
                             + "; ".join(_plan_inputs(p) for p in self._plans.values())
                             + " — optimize the model for these inputs and save again")
-        options = {k: v for k, v in self._options.items() if k not in ("capture", "dynamic", "plan_cache")}
+        options = {k: v for k, v in self._options.items() if k not in ("capture", "dynamic", "plan_cache", "buckets")}
         if dynamic is not None and dynamic is not False:
             try:
                 return self._run(args, kwargs, dynamic, options)
@@ -366,7 +462,8 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
              verify: bool = True, strict: bool = False, example_kwargs: dict | None = None,
              name: str | None = None, gemm: str | None = None, capture: str = "auto",
              decide: str | None = None, dynamic: bool = False, dynamic_shapes=None,
-             plan_cache=False, precision: str = "fp32", tolerance: float | None = None) -> FusedModule:
+             plan_cache=False, precision: str = "fp32", tolerance: float | None = None,
+             buckets=None) -> FusedModule:
     """Capture, match, cost, select, verify and rewrite ``model``.
 
     Args:
@@ -397,6 +494,15 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
             outside it one static re-plan with a warning (``DynamicShapeError`` under
             ``strict``). ``report.dynamic`` shows the ranges and verified sizes.
         dynamic_shapes: torch.export's own ``dynamic_shapes`` (implies ``dynamic``).
+        buckets: with ``dynamic``, ``True`` (edges :data:`opfuse.graph.dynamic.TOKEN_BUCKETS`:
+            [1, 16], [17, 128], [129, …] tokens, tokens = batch × sequence) or a tuple of
+            edges: a dynamic plan per token bucket, each decided (fusion, GEMM backends)
+            inside its bucket and verified over the whole range, all planned here; a
+            bucket's plan is kept only when measured faster than the example's plan at the
+            bucket's typical size, and a call runs its bucket's plan. ``report.dynamic
+            ["buckets"]`` lists every bucket's measurement and decision. Default None: one
+            plan, decided at the example (planning per bucket costs ~4x the optimize time and
+            measured no faster on BERT-base here).
         plan_cache: ``True`` (directory ``OPFUSE_PLAN_CACHE`` or ``~/.cache/opfuse/plans``) or
             a directory: a plan made before for the same model code, config, weights (every
             byte hashed), input signature, options and machine is loaded instead of planned
@@ -418,7 +524,8 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
         (:data:`opfuse.verify.TOLERANCE`); ``.report`` is the :class:`FusionReport`.
     Raises:
         OptimizeError: bad input (training mode, not a module, inputs not a tuple, unknown gemm
-            capture, decide or precision mode, a tolerance that is not a positive number).
+            capture, decide or precision mode, a tolerance that is not a positive number,
+            ``buckets`` that are not token counts or come without ``dynamic``).
         opfuse.graph.capture.CaptureError: torch.export failed and ``capture="whole"`` or
             ``strict``; or the forward changes a plain Python attribute (never captured).
     """
@@ -441,13 +548,19 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
         check_decide(decide)
     except ValueError as exc:
         raise OptimizeError(str(exc)) from None
+    if buckets not in (None, False, True) and not (isinstance(buckets, (tuple, list)) and all(
+            isinstance(e, int) and not isinstance(e, bool) and e >= 1 for e in buckets)):
+        raise OptimizeError(f"opfuse: buckets must be True, None or a tuple of token counts ≥ 1, got {buckets!r}")
+    if buckets and not (dynamic or dynamic_shapes is not None):
+        raise OptimizeError("opfuse: buckets= needs dynamic=True (or dynamic_shapes=): a static plan has one size")
     if dynamic_shapes is not None:
         dynamic = dynamic_shapes
     elif dynamic not in (True, False):
         raise OptimizeError(f"opfuse: dynamic must be True or False (or pass dynamic_shapes=), got {dynamic!r}")
     fused = FusedModule(model, dict(theta=theta, device=device, verify=verify, strict=strict, name=name, gemm=gemm,
                                     capture=capture, decide=decide, dynamic=dynamic or None,
-                                    plan_cache=plan_cache or None, precision=precision, tolerance=tolerance))
+                                    plan_cache=plan_cache or None, precision=precision, tolerance=tolerance,
+                                    buckets=TOKEN_BUCKETS if buckets is True else tuple(buckets or ()) or None))
     fused.plan_for(tuple(example_inputs), kwargs)
     return fused
 

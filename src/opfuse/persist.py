@@ -431,7 +431,9 @@ def write_plans(plans: list, path) -> Path:
                         "aliases": alias, "signature": _encode(key),
                         "dynamic_key": None if plan.dynamic_key is None else _encode(plan.dynamic_key),
                         "dynamic": None if spec is None else {"dims": [list(d) for d in spec.dims],
-                                                              "ranges": [list(r) for r in spec.ranges]},
+                                                              "ranges": [list(r) for r in spec.ranges],
+                                                              "tokens": None if spec.tokens is None
+                                                              else list(spec.tokens)},
                         "writes": sorted(plan.writes), "derived": sorted(plan.derived), "packed": packed})
     manifest = {"format": FORMAT, "opfuse": __version__, "torch": torch.__version__, "cpu": cpu_model(),
                 "schemas": schemas, "plans": entries}
@@ -545,7 +547,8 @@ def read_plans(path, model: torch.nn.Module | None = None, warn_cpu: bool = True
         report.capture = dict(report.capture, loaded_from=str(root))
         dyn = entry.get("dynamic")
         spec = None if dyn is None else DynamicSpec(tuple((i, d, s) for i, d, s in dyn["dims"]),
-                                                     tuple((s, lo, hi) for s, lo, hi in dyn["ranges"]))
+                                                     tuple((s, lo, hi) for s, lo, hi in dyn["ranges"]),
+                                                     tuple(dyn["tokens"]) if dyn.get("tokens") else None)
         plan = Plan(gm, report, [], writes=frozenset(entry.get("writes", [])),
                     derived=frozenset(entry.get("derived", [])), dynamic=spec)
         if spec is not None:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import fx
@@ -16,8 +16,8 @@ from .cost.select import Candidate, estimate, select
 from .graph.blocks import first_block, op_sequence
 from .graph.canonicalize import canonicalize
 from .graph.capture import CaptureError, capture, check_python_state
-from .graph.dynamic import (DynamicSpec, auto_shapes, export_shapes, sample_inputs, shape_env_of, size_assumptions,
-                            spec_of, widen)
+from .graph.dynamic import (DynamicSpec, auto_shapes, bucket_of, export_shapes, sample_inputs, shape_env_of,
+                            size_assumptions, spec_of, widen)
 from .graph.state import StateSnapshot, check_functional, copy_inputs, mutated_targets
 from .gemm import apply_gemm_choices, direct_wt_matmuls
 from .graph.meta import decided_at, nbytes, tensor_values
@@ -123,7 +123,7 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, thet
         device: DeviceProfile | None = None, verify: bool = True, strict: bool = False,
         rewrite_graph: bool = True, patterns: list[Pattern] | None = None, name: str | None = None,
         gemm: str | None = None, decide: str | None = None, dynamic=None, precision: str = "fp32",
-        tolerance: float | None = None) -> Plan:
+        tolerance: float | None = None, buckets: tuple | None = None) -> Plan:
     """capture → canonicalize → match → legality → cost → select → time → verify → rewrite
     → GEMM backends → report (→ whole-model check when ``verify``).
 
@@ -134,7 +134,11 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, thet
     ``dynamic``: None (a static plan for the example shapes), True (batch and sequence dims
     symbolic, :func:`opfuse.graph.dynamic.auto_shapes`) or torch.export's own
     ``dynamic_shapes``; a dynamic plan is decided at the example size and verified there and
-    at the range's other sizes (:func:`opfuse.graph.dynamic.sample_inputs`). ``precision``
+    at the range's other sizes (:func:`opfuse.graph.dynamic.sample_inputs`). ``buckets``
+    (edges, :data:`opfuse.graph.dynamic.TOKEN_BUCKETS`): a dynamic plan is for the token
+    bucket holding the example (``DynamicSpec.tokens``, the report's ``dynamic["tokens"]``)
+    and its GEMM backends must win at the bucket's ends instead of the range's minimum;
+    None: no bucket. ``precision``
     / ``tolerance``: GEMMs lowered to bf16 where measured error and time allow
     (:func:`opfuse.precision.apply_precision`, after the GEMM backends; ``"fp32"``: none).
 
@@ -148,7 +152,8 @@ def run(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, thet
         snapshot.restore()
         return _passes(model, args, kwargs, theta=theta, device=device, verify=verify, strict=strict,
                        rewrite_graph=rewrite_graph, patterns=patterns, name=name, gemm=gemm,
-                       decide=check_decide(decide), dynamic=dynamic, precision=precision, tolerance=tolerance)
+                       decide=check_decide(decide), dynamic=dynamic, precision=precision, tolerance=tolerance,
+                       buckets=buckets)
     finally:
         snapshot.restore()
 
@@ -167,7 +172,7 @@ def _capture(model, args, kwargs, dynamic):
 
 
 def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph, patterns, name, gemm,
-            decide, dynamic=None, precision="fp32", tolerance=None) -> Plan:
+            decide, dynamic=None, precision="fp32", tolerance=None, buckets=None) -> Plan:
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
@@ -178,10 +183,29 @@ def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph
         t0 = now
 
     gm, spec = _capture(model, args, kwargs, dynamic);             lap("capture")
+    bucket = bucket_of(spec, spec.tokens_of(args, kwargs), buckets) if spec is not None and buckets is not None \
+        else None
+    if bucket is not None:
+        spec = replace(spec, tokens=bucket)
     with decided_at(spec.sizes(args, kwargs) if spec is not None else {}):  # a dynamic plan: decided at the example's sizes
         return _plan_captured(gm, spec, model, args, kwargs, lap, timings, theta=theta, device=device, verify=verify,
                               strict=strict, rewrite_graph=rewrite_graph, patterns=patterns, name=name, gemm=gemm,
                               decide=decide, precision=precision, tolerance=tolerance)
+
+
+def gemm_sizes(spec: DynamicSpec | None, args: tuple, kwargs: dict) -> list[dict] | None:
+    """The other sizes ({symbol: size}) at which a dynamic plan's GEMM backends must win
+    too (:func:`opfuse.gemm.combine`): its bucket's ends (``spec.tokens``; the upper end
+    only when within 4x of the decided size: the last bucket runs to the range's end), else
+    the range's minimum; None for a static plan."""
+    if spec is None:
+        return None
+    if spec.tokens is None:
+        return [{sym: lo for sym, lo, _ in spec.ranges}]
+    lo, hi = spec.tokens
+    example = spec.sizes(args, kwargs)
+    ends = [lo] + ([hi] if hi <= 4 * max(lo, spec.tokens_of(args, kwargs)) else [])
+    return [spec.sizes_for_tokens(example, t) for t in ends]
 
 
 def _plan_captured(gm, spec, model, args, kwargs, lap, timings, *, theta, device, verify, strict, rewrite_graph,
@@ -210,8 +234,7 @@ def _plan_captured(gm, spec, model, args, kwargs, lap, timings, *, theta, device
     if rewrite_graph:
         rewrite(gm, cands);                                         lap("rewrite")
         masks = shared_bool_masks(gm);                              lap("masks")
-        smallest = [{sym: lo for sym, lo, _ in spec.ranges}] if spec is not None else None
-        gemms = apply_gemm_choices(gm, gemm, also_at=smallest);     lap("gemm")
+        gemms = apply_gemm_choices(gm, gemm, also_at=gemm_sizes(spec, args, kwargs)); lap("gemm")
         lowp = apply_precision(gm, args, kwargs, precision, tolerance); lap("precision")
         direct_wt_matmuls(gm);                                      lap("wt matmuls")
         in_place = inplace_cache_writes(gm);                        lap("in place")
@@ -233,6 +256,7 @@ def _plan_captured(gm, spec, model, args, kwargs, lap, timings, *, theta, device
     if spec is not None:
         decided = spec.sizes(args, kwargs)
         report.dynamic = {"dims": spec.describe(), "decided_at": decided,
+                          **({"tokens": list(spec.tokens)} if spec.tokens is not None else {}),
                           "verified_at": ([decided] + [s for s, _, _ in samples])
                           if verify and rewrite_graph else []}
         if guarded:

@@ -220,3 +220,127 @@ def test_a_capture_wrong_at_another_size_is_not_dynamic(monkeypatch):
     assert fused.report.counts()  # the static plan still fuses
     with pytest.raises(pipeline.DynamicCaptureError):
         opfuse.optimize(loaded.model, loaded.args, dynamic=True, strict=True)
+
+
+def test_token_buckets_of_a_range():
+    """Buckets cut the range's tokens (batch × sequence) at TOKEN_BUCKETS; a bucket is
+    decided at its geometric middle (the last, open one at 3x its start), at the example's
+    batch; a bucket plan's GEMMs must also win at its bucket's ends, the range's end
+    excluded (no request has 1024 × 512 tokens)."""
+    from dataclasses import replace
+
+    from opfuse.graph.dynamic import DynamicSpec, bucket_of, token_buckets
+    spec = DynamicSpec(dims=((0, 0, "b"), (0, 1, "s"), (1, 0, "b2"), (1, 1, "s")),
+                       ranges=(("b", 1, 1024), ("s", 1, 512), ("b2", 1, 1024)))
+    assert spec.token_range() == (1, 1024 * 512)
+    assert token_buckets(spec) == [(1, 16, 4), (17, 128, 47), (129, 1024 * 512, 387)]
+    assert bucket_of(spec, 16) == (1, 16) and bucket_of(spec, 17) == (17, 128) and bucket_of(spec, 0) is None
+    assert spec.sizes_for_tokens({"b": 8, "s": 128, "b2": 8}, 4) == {"b": 8, "s": 1, "b2": 8}  # the batch stays
+    assert spec.sizes_for_tokens({"b": 1, "s": 128, "b2": 1}, 600) == {"b": 1, "s": 512, "b2": 1}  # the range's end
+    images = DynamicSpec(dims=((0, 0, "b"),), ranges=(("b", 1, 64),))  # only the batch: tokens = images
+    assert token_buckets(images) == [(1, 16, 4), (17, 64, 33)]
+    ids = torch.ones(1, 128, dtype=torch.long)
+    at = lambda s: {"b": 1, "s": s, "b2": 1}  # noqa: E731
+    assert pipeline.gemm_sizes(replace(spec, tokens=(17, 128)), (ids, ids), {}) == [at(17), at(128)]
+    assert pipeline.gemm_sizes(replace(spec, tokens=(129, 1024 * 512)), (ids, ids), {}) == [at(129)]
+    assert pipeline.gemm_sizes(spec, (ids, ids), {}) == [{"b": 1, "s": 1, "b2": 1}]  # no bucket: the minimum
+    assert pipeline.gemm_sizes(None, (ids,), {}) is None
+
+
+BIG = 1024 * 512  # tokens at the end of bert-tiny's range (batch 1024 × 512 positions)
+
+
+@pytest.fixture(scope="module")
+def bert_buckets():
+    """bert-tiny, dynamic, a plan per token bucket, each kept whatever it measured."""
+    from opfuse import api
+    loaded = load("bert-tiny", batch=4, seq=64)  # 256 tokens: the example's bucket is the last
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(api, "BUCKET_MARGIN", -1.0)
+        return loaded, opfuse.optimize(loaded.model, loaded.args, dynamic=True, buckets=True)
+
+
+BUCKET_CALLS = [(1, 7, (1, 16)), (3, 5, (1, 16)), (1, 100, (17, 128)), (4, 32, (17, 128)),
+                (4, 64, (129, BIG)), (1, 300, (129, BIG))]
+
+
+def test_each_call_runs_its_token_buckets_plan(bert_buckets, tmp_path):
+    """With buckets, optimize plans every token bucket up front, each decided inside its
+    bucket (fusion and GEMM backends timed there), and a call runs the plan of its bucket,
+    also after save → load."""
+    loaded, fused = bert_buckets
+    plans = list(fused._plans.values())
+    assert [tuple(p.dynamic.tokens) for p in plans] == [(129, BIG), (1, 16), (17, 128)]
+    assert [(r["tokens"], r["kept"]) for r in fused.report.dynamic["buckets"]] == \
+        [([129, BIG], True), ([1, 16], True), ([17, 128], True)]
+    for i, plan in enumerate(plans):
+        lo, hi = plan.dynamic.tokens
+        decided, sym = plan.report.dynamic["decided_at"], {(i, d): s for i, d, s in plan.dynamic.dims}
+        assert lo <= decided[sym[(0, 0)]] * decided[sym[(0, 1)]] <= hi, (plan.dynamic.tokens, decided)
+        # GEMMs with symbolic rows were also timed at the range's minimum (the example's plan,
+        # as without buckets) or at the bucket's ends (the others)
+        sizes = {int(k.split("@M=")[1]) for g in plan.report.gemm for k in g["times_s"] if "@M=" in k}
+        assert sizes and (sizes == {1} if i == 0 else all(lo <= m <= hi for m in sizes)), (plan.dynamic.tokens, sizes)
+    from opfuse.report.text import dynamic_line
+    assert "one plan (for calls of 129–524288 tokens) for" in dynamic_line(fused.report)
+    back = opfuse.load(opfuse.save(fused, tmp_path / "buckets"))
+    vocab = loaded.model.config.vocab_size
+    for batch, seq, want in BUCKET_CALLS:
+        args = _inputs(vocab, batch, seq, mask=True, seed=seq)
+        assert fused.plan_for(args, {}).dynamic.tokens == want, (batch, seq)
+        assert back.plan_for(args, {}).dynamic.tokens == want, (batch, seq)
+        with torch.no_grad():
+            out = fused(*args)
+            _close(out, loaded.model(*args))
+            assert torch.equal(back(*args).last_hidden_state, out.last_hidden_state)
+    assert len(fused.reports) == 3 and fused.replans == [] and len(back.reports) == 3
+
+
+def test_a_bucket_plan_not_measured_faster_is_dropped(monkeypatch):
+    """A bucket's plan that is not BUCKET_MARGIN faster than the example's plan at the
+    bucket's typical size is not kept (the report says so, with the measurement): every
+    call runs the example's plan, correctly."""
+    from opfuse import api
+    monkeypatch.setattr(api, "BUCKET_MARGIN", 10.0)
+    loaded = load("bert-tiny", batch=2, seq=16)
+    fused = opfuse.optimize(loaded.model, loaded.args, dynamic=True, buckets=True)
+    rows = fused.report.dynamic["buckets"]
+    assert [(r["tokens"], r["kept"]) for r in rows] == [([17, 128], True), ([1, 16], False), ([129, BIG], False)]
+    assert all("dropped" in r["reason"] and r["bucket_s"] > 0 and r["first_s"] > 0 for r in rows[1:])
+    from opfuse.report.text import dynamic_line
+    assert "other token buckets: 1–16 dropped (" in dynamic_line(fused.report)
+    for batch, seq in [(1, 3), (3, 200)]:
+        args = _inputs(loaded.model.config.vocab_size, batch, seq, mask=True, seed=seq)
+        with torch.no_grad():
+            _close(fused(*args), loaded.model(*args))
+    assert len(fused.reports) == 1 and fused.replans == []
+
+
+def test_bucket_plans_share_their_weight_copies(monkeypatch):
+    """Plans of several token buckets hold one copy of each prepacked / folded weight: the
+    later plans reuse the first one's (same name, same model tensors), and stay correct."""
+    from opfuse import api
+    monkeypatch.setattr(api, "BUCKET_MARGIN", -1.0)
+    loaded = load("bert-tiny", batch=2, seq=16)
+    fused = opfuse.optimize(loaded.model, loaded.args, dynamic=True, gemm="packed", buckets=True)
+    buffers = [dict(p.gm.named_buffers()) for p in fused._plans.values()]
+    assert len(buffers) == 3
+    packed = [n for n, t in buffers[0].items() if n.startswith("opfuse_folded_") and t.is_mkldnn]
+    assert packed
+    for other in buffers[1:]:
+        common = [n for n in other if n.startswith("opfuse_folded_") and n in buffers[0]]
+        assert set(packed) <= set(common)
+        assert all(other[n] is buffers[0][n] for n in common)
+    for batch, seq in [(1, 3), (2, 40), (2, 200)]:
+        args = _inputs(loaded.model.config.vocab_size, batch, seq, mask=True, seed=seq)
+        with torch.no_grad():
+            _close(fused(*args), loaded.model(*args))
+
+
+def test_bad_buckets_are_refused():
+    loaded = load("bert-tiny", batch=2, seq=16)
+    for bad in [(0, 16), ("16",), 16, (True,)]:
+        with pytest.raises(opfuse.OptimizeError, match="buckets must be"):
+            opfuse.optimize(loaded.model, loaded.args, dynamic=True, buckets=bad)
+    with pytest.raises(opfuse.OptimizeError, match="needs dynamic=True"):
+        opfuse.optimize(loaded.model, loaded.args, buckets=True)

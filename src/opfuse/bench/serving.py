@@ -64,11 +64,11 @@ def _eager(model) -> System:
     return System("eager", fn)
 
 
-def _opfuse(model, example) -> System:
+def _opfuse(model, example, buckets=None) -> System:
     import opfuse
     t = time.perf_counter()
     try:
-        fused = opfuse.optimize(model, example, dynamic=True, name="serving")
+        fused = opfuse.optimize(model, example, dynamic=True, name="serving", buckets=buckets)
     except Exception as exc:  # noqa: BLE001  a failure is a reported result
         return System("opfuse", error=f"optimize failed: {_one_line(exc)}")
     cold = time.perf_counter() - t
@@ -129,18 +129,20 @@ def _openvino(model, example, threads: int) -> System:
 
 
 def bench_serving(model, n: int = 200, batch: int = 1, lo: int = 8, hi: int = 384, threads: int = 1,
-                  against=("eager", "opfuse", "ort", "openvino"), example_seq: int = 128, seed: int = 0) -> dict:
+                  against=("eager", "opfuse", "ort", "openvino"), example_seq: int = 128, seed: int = 0,
+                  buckets=None) -> dict:
     """Serve ``n`` requests (:func:`make_requests`) with every system of ``against``
     round-robin; returns {"config": ..., "systems": {name: {total_s, p50_s, p99_s, max_s,
     cold_s, max_abs_err, error}}, "opfuse": {plans, replans, dynamic}}.
 
     ``model``: a BERT-style encoder taking (input_ids, attention_mask); the opfuse plan is
-    made at [batch, example_seq] before the stream (its cost is ``cold_s``)."""
+    made at [batch, example_seq] before the stream (its cost is ``cold_s``), with
+    ``optimize``'s ``buckets`` (a plan per token bucket where measured faster)."""
     torch.set_num_threads(threads)
     vocab = getattr(getattr(model, "config", None), "vocab_size", 30522)
     requests = make_requests(n, batch, lo, hi, vocab, seed)
     example = make_requests(1, batch, example_seq, example_seq, vocab, seed + 1)[0]
-    builders = {"eager": lambda: _eager(model), "opfuse": lambda: _opfuse(model, example),
+    builders = {"eager": lambda: _eager(model), "opfuse": lambda: _opfuse(model, example, buckets),
                 "ort": lambda: _ort(model, example, threads, tempfile.mkdtemp(prefix="opfuse-serving-")),
                 "openvino": lambda: _openvino(model, example, threads)}
     systems = [builders[name]() for name in against]
@@ -158,7 +160,7 @@ def bench_serving(model, n: int = 200, batch: int = 1, lo: int = 8, hi: int = 38
             for s in live:
                 s.max_err = max(s.max_err, float((outs[s.name][valid] - ref[valid]).abs().max()))
     result = {"config": {"requests": n, "batch": batch, "lengths": [lo, hi], "threads": threads,
-                         "example": [batch, example_seq]}, "systems": {}}
+                         "example": [batch, example_seq], "buckets": buckets}, "systems": {}}
     eager = next((s for s in live if s.name == "eager"), None)
     for s in systems:
         if s.error:
@@ -173,8 +175,17 @@ def bench_serving(model, n: int = 200, batch: int = 1, lo: int = 8, hi: int = 38
         if s.name == "opfuse":
             fused = s.fused
             result["opfuse"] = {"plans": len(fused.reports), "replans": list(fused.replans),
-                                "fused": fused.report.counts(), "dynamic": fused.report.dynamic}
+                                "fused": fused.report.counts(), "dynamic": fused.report.dynamic,
+                                "buckets": [bucket_row(r) for r in fused.reports]}
     return result
+
+
+def bucket_row(report) -> dict:
+    """One plan of a dynamic FusedModule: its token bucket (None: not a bucket plan),
+    decided-at sizes, fused counts per pattern and GEMM backends chosen (count per name)."""
+    from collections import Counter
+    return {"tokens": report.dynamic.get("tokens"), "decided_at": report.dynamic.get("decided_at"),
+            "fused": report.counts(), "gemm": dict(Counter(g["backend"] for g in report.gemm))}
 
 
 def serving_table(result: dict):

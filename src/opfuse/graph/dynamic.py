@@ -21,6 +21,7 @@ the capture actually made dynamic, read back from the graph's placeholders.
 from __future__ import annotations
 
 import inspect
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -29,6 +30,12 @@ from torch import fx
 
 #: Largest batch of an automatic dynamic range (export needs no bound; the report shows one).
 MAX_BATCH = 1024
+#: Edges of a dynamic plan's token buckets (``optimize(dynamic=True, buckets=True)``;
+#: tokens = batch × sequence of a call): a plan per bucket [1, 16], [17, 128], [129, ...],
+#: each decided and GEMM-timed inside its own bucket (:func:`token_buckets`), kept where
+#: measured faster. Why buckets: static BERT-base plans made at 16 and 384 tokens chose other
+#: regions (QKV merge; linear+add+LayerNorm) and GEMM backends than the plan made at 128.
+TOKEN_BUCKETS = (16, 128)
 
 
 class DynamicShapeError(ValueError):
@@ -127,6 +134,10 @@ class DynamicSpec:
 
     dims: tuple
     ranges: tuple  # ((symbol, lo, hi), ...)
+    #: The tokens (:meth:`tokens_of`) of the calls this plan is meant for, (lo, hi) inclusive
+    #: (one bucket of :func:`token_buckets`); None: every call of the ranges. Other calls
+    #: inside the ranges still run correctly on it (a plan is verified over its ranges).
+    tokens: tuple | None = None
 
     @property
     def wildcards(self) -> frozenset:
@@ -146,6 +157,59 @@ class DynamicSpec:
         for i, d, s in self.dims:
             out.setdefault(s, _input(i, args, kwargs).shape[d])
         return out
+
+    def _positions(self) -> dict[str, int]:
+        position: dict[str, int] = {}
+        for _i, d, s in self.dims:
+            position.setdefault(s, d)
+        return position
+
+    def tokens_of(self, args: tuple, kwargs: dict) -> int:
+        """Tokens of a call: its batch (dim 0) times its sequence (dim 1) over the dynamic
+        dims, the largest size where several symbols share a dim (ids and mask) — the rows
+        of the model's GEMMs for a [batch, sequence] input; the batch alone where only
+        dim 0 is dynamic (images)."""
+        position, sizes = self._positions(), self.sizes(args, kwargs)
+        per_dim: dict[int, int] = {}
+        for s, n in sizes.items():
+            if position[s] <= 1:
+                per_dim[position[s]] = max(per_dim.get(position[s], 1), n)
+        return math.prod(per_dim.values())
+
+    def token_range(self) -> tuple[int, int]:
+        """(fewest, most) tokens a call inside the ranges can have."""
+        position, lo, hi = self._positions(), {}, {}
+        for s, a, b in self.ranges:
+            d = position.get(s)
+            if d is not None and d <= 1:
+                lo[d], hi[d] = max(lo.get(d, 1), a), min(hi.get(d, b), b)
+        return (math.prod(lo.values()), math.prod(hi.values()))
+
+    def sizes_for_tokens(self, example: dict[str, int], tokens: int) -> dict[str, int]:
+        """``example`` ({symbol: size}) with the sequence symbols (dim 1; the batch, dim 0,
+        when no sequence dim is dynamic) set so a call has about ``tokens`` tokens, within
+        the ranges; the batch stays the example's."""
+        position = self._positions()
+        seq = [s for s in example if position[s] == 1] or [s for s in example if position[s] == 0]
+        fixed = 1
+        if any(position[s] == 1 for s in example):
+            fixed = max([example[s] for s in example if position[s] == 0] or [1])
+        want = max(1, -(-tokens // fixed))
+        out = dict(example)
+        for s in seq:
+            lo, hi = self.range_of(s)
+            out[s] = max(lo, min(hi, want))
+        return out
+
+    def resized(self, args: tuple, kwargs: dict, sizes: dict[str, int]) -> tuple[tuple, dict]:
+        """The inputs with every dynamic dim at ``sizes`` ({symbol: size}; :func:`resize`)."""
+        a, k = list(args), dict(kwargs)
+        for i, d, s in self.dims:
+            if isinstance(i, int):
+                a[i] = resize(a[i], {d: sizes[s]})
+            else:
+                k[i] = resize(k[i], {d: sizes[s]})
+        return tuple(a), k
 
     def out_of_range(self, args: tuple, kwargs: dict) -> str | None:
         """Why a call's sizes are outside the ranges, or differ between dims of one symbol
@@ -222,14 +286,32 @@ def sample_inputs(spec: DynamicSpec, args: tuple, kwargs: dict) -> list[tuple[di
     for sizes in choices:
         if sizes == example or any(k == sizes for k, _, _ in out):
             continue
-        a, k = list(args), dict(kwargs)
-        for i, d, s in spec.dims:
-            if isinstance(i, int):
-                a[i] = resize(a[i], {d: sizes[s]})
-            else:
-                k[i] = resize(k[i], {d: sizes[s]})
-        out.append((sizes, tuple(a), k))
+        a, k = spec.resized(args, kwargs, sizes)
+        out.append((sizes, a, k))
     return out
+
+
+def token_buckets(spec: DynamicSpec, edges: tuple = TOKEN_BUCKETS) -> list[tuple[int, int, int]]:
+    """The token buckets of ``spec``'s range: (lo, hi, typical) for each bucket cut by
+    ``edges`` (bucket *i* ends at ``edges[i]``) that overlaps :meth:`DynamicSpec.token_range`,
+    clipped to it. ``typical``: where a plan for the bucket is decided when the example
+    is not in it — the geometric mean of lo and hi, the last bucket at 3x its lo (its hi
+    is the range's end, a size no request may have)."""
+    first, last = spec.token_range()
+    out, lo = [], 1
+    for hi in [*sorted(e for e in edges if e >= 1), None]:
+        a, b = max(lo, first), last if hi is None else min(hi, last)
+        if a <= b:
+            typical = min(b, 3 * a) if hi is None else round((a * b) ** 0.5)
+            out.append((a, b, max(a, typical)))
+        if hi is not None:
+            lo = hi + 1
+    return out
+
+
+def bucket_of(spec: DynamicSpec, tokens: int, edges: tuple = TOKEN_BUCKETS) -> tuple[int, int] | None:
+    """(lo, hi) of the bucket of :func:`token_buckets` holding ``tokens`` (None: outside)."""
+    return next(((a, b) for a, b, _ in token_buckets(spec, edges) if a <= tokens <= b), None)
 
 
 def shape_env_of(graph: fx.Graph):

@@ -113,16 +113,25 @@ def header_text(report) -> Text:
 
 
 def dynamic_line(report) -> str | None:
-    """One line on the plan's shapes: the dynamic dims with their ranges and the sizes it
-    was decided and verified at; why a dynamic capture was refused; None for a static plan."""
+    """One line on the plan's shapes: the dynamic dims with their ranges, the token bucket
+    it serves, the sizes it was decided and verified at; why a dynamic capture was refused;
+    None for a static plan."""
     d = report.dynamic
     if not d:
         return None
     if "refused" in d:
         return d["refused"]
     sizes = lambda s: "×".join(str(v) for v in s.values())  # noqa: E731
-    return ("one plan for " + "; ".join(d["dims"]) + f" — decided at {sizes(d['decided_at'])}, verified at "
+    bucket = f" (for calls of {d['tokens'][0]}–{d['tokens'][1]} tokens)" if d.get("tokens") else ""
+    line = (f"one plan{bucket} for " + "; ".join(d["dims"]) + f" — decided at {sizes(d['decided_at'])}, verified at "
             + (", ".join(sizes(s) for s in d["verified_at"]) or "none"))
+    others = d.get("buckets", [])[1:]
+    if others:  # the other token buckets' plans: kept or dropped, and why
+        line += "; other token buckets: " + ", ".join(
+            f"{r['tokens'][0]}–{r['tokens'][1]} {'kept' if r['kept'] else 'dropped'}"
+            + (f" ({r['first_s'] / r['bucket_s']:.2f}x)" if r.get("bucket_s") else f" ({r['reason']})")
+            for r in others)
+    return line
 
 
 def render(report, limit: int | None = 40, block_only: bool = True) -> Group:
