@@ -193,17 +193,27 @@ def _passes(model, args, kwargs, *, theta, device, verify, strict, rewrite_graph
                               decide=decide, precision=precision, tolerance=tolerance)
 
 
+#: Tokens of the short call at which a dynamic plan's GEMM backends are timed too (besides
+#: the example and the range's minimum): MKL's GEMMs of 4–16 rows measured 1.5–1.75x slower
+#: than oneDNN's prepacked weight here (BERT-base), a size neither end shows.
+SHORT_TOKENS = 16
+
+
 def gemm_sizes(spec: DynamicSpec | None, args: tuple, kwargs: dict) -> list[dict] | None:
-    """The other sizes ({symbol: size}) at which a dynamic plan's GEMM backends must win
-    too (:func:`opfuse.gemm.combine`): its bucket's ends (``spec.tokens``; the upper end
-    only when within 4x of the decided size: the last bucket runs to the range's end), else
-    the range's minimum; None for a static plan."""
+    """The other sizes ({symbol: size}) at which a dynamic plan's GEMM backends are timed
+    too (:func:`opfuse.gemm.combine`): a bucket plan's bucket ends (``spec.tokens``; the
+    upper end only when within 4x of the decided size: the last bucket runs to the range's
+    end), else the range's minimum and, where the sequence is dynamic, a call of
+    :data:`SHORT_TOKENS` tokens at the example's batch; None for a static plan."""
     if spec is None:
         return None
-    if spec.tokens is None:
-        return [{sym: lo for sym, lo, _ in spec.ranges}]
-    lo, hi = spec.tokens
     example = spec.sizes(args, kwargs)
+    if spec.tokens is None:
+        out = [{sym: lo for sym, lo, _ in spec.ranges}]
+        if any(d == 1 for _, d, _ in spec.dims):
+            out.append(spec.sizes_for_tokens(example, SHORT_TOKENS))
+        return out
+    lo, hi = spec.tokens
     ends = [lo] + ([hi] if hi <= 4 * max(lo, spec.tokens_of(args, kwargs)) else [])
     return [spec.sizes_for_tokens(example, t) for t in ends]
 

@@ -243,7 +243,8 @@ def test_token_buckets_of_a_range():
     at = lambda s: {"b": 1, "s": s, "b2": 1}  # noqa: E731
     assert pipeline.gemm_sizes(replace(spec, tokens=(17, 128)), (ids, ids), {}) == [at(17), at(128)]
     assert pipeline.gemm_sizes(replace(spec, tokens=(129, 1024 * 512)), (ids, ids), {}) == [at(129)]
-    assert pipeline.gemm_sizes(spec, (ids, ids), {}) == [{"b": 1, "s": 1, "b2": 1}]  # no bucket: the minimum
+    assert pipeline.gemm_sizes(spec, (ids, ids), {}) == [at(1), at(16)]  # no bucket: the minimum, a short call
+    assert pipeline.gemm_sizes(images, (torch.ones(8, 3, 4, 4),), {}) == [{"b": 1}]  # no sequence: the minimum
     assert pipeline.gemm_sizes(None, (ids,), {}) is None
 
 
@@ -280,7 +281,7 @@ def test_each_call_runs_its_token_buckets_plan(bert_buckets, tmp_path):
         # GEMMs with symbolic rows were also timed at the range's minimum (the example's plan,
         # as without buckets) or at the bucket's ends (the others)
         sizes = {int(k.split("@M=")[1]) for g in plan.report.gemm for k in g["times_s"] if "@M=" in k}
-        assert sizes and (sizes == {1} if i == 0 else all(lo <= m <= hi for m in sizes)), (plan.dynamic.tokens, sizes)
+        assert sizes and (sizes == {1, 16} if i == 0 else all(lo <= m <= hi for m in sizes)), (plan.dynamic.tokens, sizes)
     from opfuse.report.text import dynamic_line
     assert "one plan (for calls of 129–524288 tokens) for" in dynamic_line(fused.report)
     back = opfuse.load(opfuse.save(fused, tmp_path / "buckets"))
