@@ -135,6 +135,50 @@ def _share_folded(gm, others: list) -> None:
         gm.register_buffer(name, same)
 
 
+def _source_key(gm, name: str):
+    """Identity of the model tensor folded buffer ``name`` of ``gm`` was copied from
+    (storage address, offset, shape, strides, dtype; recorded by :func:`opfuse.gemm._fold`
+    in ``gm.meta["opfuse_folded_from"]``), or None."""
+    meta = getattr(gm, "meta", None)
+    return meta.get("opfuse_folded_from", {}).get(name) if isinstance(meta, dict) else None
+
+
+def share_by_source(gm, others: list) -> int:
+    """Make ``gm`` reuse a folded copy another plan made of the same weight, whatever the two
+    graphs call it: a decode-step plan captured by dynamo reads the pre-transposed copies the
+    forward plan made through torch.export (Llama: 62 of the decode plan's 127 MB). A copy
+    matches one of the same kind (the buffer name's ``opfuse_folded_<kind>_``), shape and
+    dtype that is equal (``torch.equal``) and either copies the same model tensor (the
+    identity :func:`opfuse.gemm._fold` records) or, failing that, is any such buffer (a
+    copy of a merged QKV weight, made per plan). Plain tensors only (a prepacked oneDNN
+    weight cannot be compared). Returns the bytes no longer held twice."""
+    by_source, by_shape = {}, {}
+    for o in others:
+        if o is None or o is gm:
+            continue
+        for n, t in o.named_buffers():
+            if n.startswith("opfuse_folded_") and not t.is_mkldnn:
+                kind = (n.split("_")[2], tuple(t.shape), t.dtype)
+                src = _source_key(o, n)
+                if src is not None:
+                    by_source.setdefault((kind, src), t)
+                same_shape = by_shape.setdefault(kind, [])
+                if all(c.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for c in same_shape):
+                    same_shape.append(t)
+    saved = 0
+    for n, t in list(gm.named_buffers()) if gm is not None else []:
+        if not n.startswith("opfuse_folded_") or t.is_mkldnn:
+            continue
+        kind, src = (n.split("_")[2], tuple(t.shape), t.dtype), _source_key(gm, n)
+        candidates = ([by_source[(kind, src)]] if (kind, src) in by_source else []) + by_shape.get(kind, [])
+        for same in candidates:
+            if same.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() and torch.equal(same, t):
+                gm.register_buffer(n, same)
+                saved += t.untyped_storage().nbytes()
+                break
+    return saved
+
+
 def _describe(args: tuple, kwargs: dict) -> str:
     from .graph.meta import tensor_values
     return ", ".join(f"{list(t.shape)}:{str(t.dtype).replace('torch.', '')}"
@@ -411,7 +455,8 @@ class FusedModule(torch.nn.Module):
                             "opfuse.optimize of the model")
         if getattr(self, "_generation", None) is None:
             from .generate import Generation
-            self._generation = Generation(self._model[0], self._options)
+            self._generation = Generation(self._model[0], self._options,
+                                          forward_gms=lambda: [p.gm for p in self._plans.values()])
         return self._generation
 
     def generate(self, input_ids: torch.Tensor, **kwargs):

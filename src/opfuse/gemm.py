@@ -321,6 +321,12 @@ def _fold(gm: fx.GraphModule, node: fx.Node, w: fx.Node, kind: str, make: Callab
     tensor = make()
     gm.register_buffer(buf, tensor)
     note_derived(gm, buf, [w.target])
+    source = attrgetter(w.target)(gm)
+    if isinstance(source, torch.Tensor) and source.layout == torch.strided:  # which tensor it copies, for
+        # sharing the copy with other plans of the model (opfuse.api.share_by_source)
+        gm.meta.setdefault("opfuse_folded_from", {})[buf] = (
+            source.untyped_storage().data_ptr(), source.storage_offset(), tuple(source.shape), tuple(source.stride()),
+            source.dtype)
     with gm.graph.inserting_before(node):
         ref = gm.graph.get_attr(buf)
         if view is not None:

@@ -139,8 +139,10 @@ class Generation:
             per decode step, a list), ``new_tokens``.
     """
 
-    def __init__(self, model: torch.nn.Module, options: dict):
+    def __init__(self, model: torch.nn.Module, options: dict, forward_gms=None):
         self.model = model
+        self._forward_gms = forward_gms or (lambda: [])  # the owner's forward plans (copies to share)
+        self._planned = 0  # plans of self.graphs whose folded copies were shared
         from .backend import PLAN_OPTIONS
         self.options = {k: v for k, v in options.items() if k in PLAN_OPTIONS}
         self.graphs: list[tuple[str, object]] = []
@@ -166,12 +168,28 @@ class Generation:
         start = time.perf_counter()
         out = self._runner(*args, **kwargs)
         seconds = time.perf_counter() - start
+        planned = sum(len(compiled.plans) for _, compiled in self.graphs)
+        if planned != self._planned:  # a graph was planned in this call
+            self._planned = planned
+            self._share_copies()
         if self._phase == "prefill":
             self.last["prefill_s"] = seconds
             self._phase = "decode"
         else:
             self.last["decode_s"].append(seconds)
         return out
+
+    def _share_copies(self) -> None:
+        """Every generation plan reads the folded weight copies (pre-transposed weights) an
+        earlier plan — the owner's forward plans first — made of the same model tensors,
+        instead of holding its own (:func:`opfuse.api.share_by_source`)."""
+        from .api import share_by_source
+        gms = list(self._forward_gms())
+        for _, compiled in self.graphs:
+            for fused in compiled.plans.values():
+                for plan in (fused._plans.values() if fused is not None else ()):
+                    share_by_source(plan.gm, gms)
+                    gms.append(plan.gm)
 
     # -- the static cache ----------------------------------------------------------------
     def cache_for(self, batch: int, length: int, dtype: torch.dtype, device: torch.device):

@@ -282,3 +282,28 @@ def test_wt_reads_gpt2_conv1d_weights_without_copying_them_back(tmp_path):
         opfuse.save(fused, tmp_path / "plan")
         loaded = opfuse.load(tmp_path / "plan")
         torch.testing.assert_close(loaded(ids).last_hidden_state, fused(ids).last_hidden_state, rtol=0, atol=0)
+
+
+def test_decode_plan_shares_the_forward_plans_weight_copies():
+    """The decode-step plan (dynamo's graph) reads the pre-transposed copies the forward
+    plan (torch.export's graph) made of the same weights instead of holding its own: same
+    tensor objects, fewer bytes held; tokens equal eager's, also after a weight changes."""
+    from opfuse.bench.generate import held_bytes
+    lm = _tiny_lm()
+    ids = torch.randint(3, 500, (1, 6), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    fused = opfuse.optimize(lm, (ids,), decide="rho", gemm="wt")
+    forward = {n: t for p in fused._plans.values() for n, t in p.gm.named_buffers() if n.startswith("opfuse_folded_wt_")}
+    alone = sum(t.untyped_storage().nbytes() for t in forward.values())
+    assert torch.equal(fused.generate(ids, **kw), lm.generate(ids, **kw))
+    (decode,) = _phase_plans(fused, "decode")
+    copies = {n: t for n, t in decode.gm.named_buffers() if n.startswith("opfuse_folded_wt_")}
+    mine = sum(t.untyped_storage().nbytes() for t in copies.values())
+    shared = [n for n, t in copies.items() if any(t is f for f in forward.values())]
+    assert shared == list(copies) and len(shared) == 2 * 5 + 1  # per layer: merged QKV, o, gate, up, down; LM head
+    assert mine == alone and held_bytes(fused)["folded"] == alone  # the prefill plan's (forced wt) are shared too
+    with torch.no_grad():
+        lm.model.layers[0].self_attn.q_proj.weight.mul_(1.25)  # a shared copy's source changes: both re-plan
+    assert torch.equal(fused.generate(ids, **kw), lm.generate(ids, **kw))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, lm(ids).logits, rtol=1e-5, atol=1e-5)
