@@ -110,31 +110,6 @@ def _derived(gm) -> dict:
     return meta.get("opfuse_derived", {}) if isinstance(meta, dict) else {}
 
 
-def _share_folded(gm, others: list) -> None:
-    """Make ``gm`` reuse an equal folded constant of an earlier plan (concatenated QKV
-    weights, pre-transposed or prepacked copies) instead of keeping one copy per input
-    signature or token bucket. Plain tensors are shared when equal; a oneDNN prepacked
-    weight (opaque: no ``torch.equal``) when it has the same name, shape and model tensors
-    it was made from (``opfuse_derived``): the same weight, perhaps blocked for another row
-    count, which any row count runs on (:func:`opfuse.gemm.pack`)."""
-    if gm is None:
-        return
-    seen = {n: (t, o) for o in others if o is not None for n, t in o.named_buffers() if n.startswith("opfuse_folded_")}
-    roots = _derived(gm)
-    for name, t in list(gm.named_buffers()):
-        same, owner = seen.get(name, (None, None))
-        if same is None or same.shape != t.shape or same.dtype != t.dtype:
-            continue
-        if t.is_mkldnn or same.is_mkldnn:
-            made_of = roots.get(name)
-            if not (t.is_mkldnn and same.is_mkldnn and made_of
-                    and _derived(owner).get(name) == made_of):
-                continue
-        elif not torch.equal(same, t):
-            continue
-        gm.register_buffer(name, same)
-
-
 def _source_key(gm, name: str):
     """Identity of the model tensor folded buffer ``name`` of ``gm`` was copied from
     (storage address, offset, shape, strides, dtype; recorded by :func:`opfuse.gemm._fold`
@@ -143,31 +118,45 @@ def _source_key(gm, name: str):
     return meta.get("opfuse_folded_from", {}).get(name) if isinstance(meta, dict) else None
 
 
-def share_by_source(gm, others: list) -> int:
-    """Make ``gm`` reuse a folded copy another plan made of the same weight, whatever the two
-    graphs call it: a decode-step plan captured by dynamo reads the pre-transposed copies the
-    forward plan made through torch.export (Llama: 62 of the decode plan's 127 MB). A copy
-    matches one of the same kind (the buffer name's ``opfuse_folded_<kind>_``), shape and
-    dtype that is equal (``torch.equal``) and either copies the same model tensor (the
-    identity :func:`opfuse.gemm._fold` records) or, failing that, is any such buffer (a
-    copy of a merged QKV weight, made per plan). Plain tensors only (a prepacked oneDNN
-    weight cannot be compared). Returns the bytes no longer held twice."""
-    by_source, by_shape = {}, {}
+def share_folded_copies(gm, others: list) -> int:
+    """Make ``gm`` reuse a folded copy another plan made of the same weight (merged QKV,
+    pre-transposed, prepacked), whatever the two graphs call it, instead of holding one copy
+    per plan: plans of other input signatures or token buckets, and the generation plans
+    (dynamo graphs) reading the copies the forward plan made through torch.export (Llama: 62
+    of the decode plan's 127 MB). A plain copy matches one of the same kind (the buffer
+    name's ``opfuse_folded_<kind>_``), shape and dtype that is equal (``torch.equal``),
+    tried first where it copies the same model tensor (the identity :func:`opfuse.gemm._fold`
+    records). A oneDNN prepacked weight (opaque: no ``torch.equal``) matches one of the same
+    name, shape and source tensors (``opfuse_derived``): the same weight, perhaps blocked for
+    another row count, which any row count runs on (:func:`opfuse.gemm.pack`). Returns the
+    bytes no longer held twice."""
+    by_source, by_shape, packed = {}, {}, {}
     for o in others:
         if o is None or o is gm:
             continue
         for n, t in o.named_buffers():
-            if n.startswith("opfuse_folded_") and not t.is_mkldnn:
-                kind = (n.split("_")[2], tuple(t.shape), t.dtype)
-                src = _source_key(o, n)
-                if src is not None:
-                    by_source.setdefault((kind, src), t)
-                same_shape = by_shape.setdefault(kind, [])
-                if all(c.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for c in same_shape):
-                    same_shape.append(t)
+            if not n.startswith("opfuse_folded_"):
+                continue
+            if t.is_mkldnn:
+                packed.setdefault(n, (t, _derived(o).get(n)))
+                continue
+            kind = (n.split("_")[2], tuple(t.shape), t.dtype)
+            src = _source_key(o, n)
+            if src is not None:
+                by_source.setdefault((kind, src), t)
+            same_shape = by_shape.setdefault(kind, [])
+            if all(c.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for c in same_shape):
+                same_shape.append(t)
     saved = 0
     for n, t in list(gm.named_buffers()) if gm is not None else []:
-        if not n.startswith("opfuse_folded_") or t.is_mkldnn:
+        if not n.startswith("opfuse_folded_"):
+            continue
+        if t.is_mkldnn:
+            same, made_of = packed.get(n, (None, None))
+            if same is not None and same is not t and same.shape == t.shape and made_of \
+                    and _derived(gm).get(n) == made_of:
+                gm.register_buffer(n, same)
+                saved += t.numel() * t.element_size()
             continue
         kind, src = (n.split("_")[2], tuple(t.shape), t.dtype), _source_key(gm, n)
         candidates = ([by_source[(kind, src)]] if (kind, src) in by_source else []) + by_shape.get(kind, [])
@@ -347,7 +336,7 @@ class FusedModule(torch.nn.Module):
                                            *rows]
 
     def _add_plan(self, key: tuple, plan):
-        _share_folded(plan.gm, [p.gm for p in self._plans.values()])
+        share_folded_copies(plan.gm, [p.gm for p in self._plans.values()])
         self._plans[key] = plan
         if len(self._plans) > self._max_plans:
             self._plans.popitem(last=False)

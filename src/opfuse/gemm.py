@@ -323,7 +323,7 @@ def _fold(gm: fx.GraphModule, node: fx.Node, w: fx.Node, kind: str, make: Callab
     note_derived(gm, buf, [w.target])
     source = attrgetter(w.target)(gm)
     if isinstance(source, torch.Tensor) and source.layout == torch.strided:  # which tensor it copies, for
-        # sharing the copy with other plans of the model (opfuse.api.share_by_source)
+        # sharing the copy with other plans of the model (opfuse.api.share_folded_copies)
         gm.meta.setdefault("opfuse_folded_from", {})[buf] = (
             source.untyped_storage().data_ptr(), source.storage_offset(), tuple(source.shape), tuple(source.stride()),
             source.dtype)

@@ -182,13 +182,13 @@ class Generation:
     def _share_copies(self) -> None:
         """Every generation plan reads the folded weight copies (pre-transposed weights) an
         earlier plan — the owner's forward plans first — made of the same model tensors,
-        instead of holding its own (:func:`opfuse.api.share_by_source`)."""
-        from .api import share_by_source
+        instead of holding its own (:func:`opfuse.api.share_folded_copies`)."""
+        from .api import share_folded_copies
         gms = list(self._forward_gms())
         for _, compiled in self.graphs:
             for fused in compiled.plans.values():
                 for plan in (fused._plans.values() if fused is not None else ()):
-                    share_by_source(plan.gm, gms)
+                    share_folded_copies(plan.gm, gms)
                     gms.append(plan.gm)
 
     # -- the static cache ----------------------------------------------------------------
