@@ -104,18 +104,18 @@ BUCKET_ROUNDS = 5
 BUCKET_MARGIN = 0.03
 
 
-def _derived(gm) -> dict:
-    """``gm.meta["opfuse_derived"]`` ({} for a plan run in pieces: a dynamo module, no meta)."""
+def _meta(gm, key: str) -> dict:
+    """``gm.meta[key]``: ``"opfuse_derived"`` (folded buffer -> the model tensors' names it
+    was made from) or ``"opfuse_folded_from"`` (folded buffer -> the identity of the tensor
+    it copies: storage address, offset, shape, strides, dtype; :func:`opfuse.gemm._fold`);
+    {} for a plan run in pieces (a dynamo module, no meta)."""
     meta = getattr(gm, "meta", None)
-    return meta.get("opfuse_derived", {}) if isinstance(meta, dict) else {}
+    return meta.get(key, {}) if isinstance(meta, dict) else {}
 
 
-def _source_key(gm, name: str):
-    """Identity of the model tensor folded buffer ``name`` of ``gm`` was copied from
-    (storage address, offset, shape, strides, dtype; recorded by :func:`opfuse.gemm._fold`
-    in ``gm.meta["opfuse_folded_from"]``), or None."""
-    meta = getattr(gm, "meta", None)
-    return meta.get("opfuse_folded_from", {}).get(name) if isinstance(meta, dict) else None
+def _copy_kind(name: str, t: torch.Tensor) -> tuple:
+    """(kind, shape, dtype) of folded buffer ``name`` (``opfuse_folded_<kind>_...``)."""
+    return name.split("_")[2], tuple(t.shape), t.dtype
 
 
 def share_folded_copies(gm, others: list) -> int:
@@ -138,10 +138,10 @@ def share_folded_copies(gm, others: list) -> int:
             if not n.startswith("opfuse_folded_"):
                 continue
             if t.is_mkldnn:
-                packed.setdefault(n, (t, _derived(o).get(n)))
+                packed.setdefault(n, (t, _meta(o, "opfuse_derived").get(n)))
                 continue
-            kind = (n.split("_")[2], tuple(t.shape), t.dtype)
-            src = _source_key(o, n)
+            kind = _copy_kind(n, t)
+            src = _meta(o, "opfuse_folded_from").get(n)
             if src is not None:
                 by_source.setdefault((kind, src), t)
             same_shape = by_shape.setdefault(kind, [])
@@ -154,11 +154,11 @@ def share_folded_copies(gm, others: list) -> int:
         if t.is_mkldnn:
             same, made_of = packed.get(n, (None, None))
             if same is not None and same is not t and same.shape == t.shape and made_of \
-                    and _derived(gm).get(n) == made_of:
+                    and _meta(gm, "opfuse_derived").get(n) == made_of:
                 gm.register_buffer(n, same)
                 saved += t.numel() * t.element_size()
             continue
-        kind, src = (n.split("_")[2], tuple(t.shape), t.dtype), _source_key(gm, n)
+        kind, src = _copy_kind(n, t), _meta(gm, "opfuse_folded_from").get(n)
         candidates = ([by_source[(kind, src)]] if (kind, src) in by_source else []) + by_shape.get(kind, [])
         for same in candidates:
             if same.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() and torch.equal(same, t):
@@ -296,7 +296,7 @@ class FusedModule(torch.nn.Module):
             return
         spec = first.dynamic = replace(spec, tokens=own)
         first.report.dynamic["tokens"] = list(own)
-        options = {k: v for k, v in self._options.items() if k not in ("capture", "dynamic", "plan_cache")}
+        options = dict(self._plan_options(), buckets=edges)  # the pipeline decides these in their bucket
         example, rows = spec.sizes(args, kwargs), []
         for lo, hi, typical in token_buckets(spec, edges):
             if (lo, hi) == tuple(spec.tokens):
@@ -364,6 +364,11 @@ class FusedModule(torch.nn.Module):
             self._bucket_plans(args, kwargs, plan)
         return plan
 
+    def _plan_options(self) -> dict:
+        """The options :func:`opfuse.pipeline.run` takes (``optimize``'s, less those this
+        module handles: capture, dynamic, plan cache, token buckets)."""
+        return {k: v for k, v in self._options.items() if k not in ("capture", "dynamic", "plan_cache", "buckets")}
+
     def _plan(self, args: tuple, kwargs: dict, dynamic=None):
         """The whole model captured and planned; where torch.export cannot capture it as a
         whole (and ``capture="auto"`` without ``strict``), dynamo's pieces, each planned
@@ -376,7 +381,7 @@ class FusedModule(torch.nn.Module):
                             f"{_describe(args, kwargs)}: saved plans cover "
                             + "; ".join(_plan_inputs(p) for p in self._plans.values())
                             + " — optimize the model for these inputs and save again")
-        options = {k: v for k, v in self._options.items() if k not in ("capture", "dynamic", "plan_cache", "buckets")}
+        options = self._plan_options()
         if dynamic is not None and dynamic is not False:
             try:
                 return self._run(args, kwargs, dynamic, options)
