@@ -10,7 +10,7 @@ A saved plan is a directory::
                          and the input/output pytree specs (torch's ``treespec_dumps``)
     plan<i>.safetensors  the plan's parameters and buffers (folded QKV weights and
                          pre-transposed GEMM weights included: no recipe to re-run);
-                         oneDNN prepacked weights (opaque, layout of this oneDNN
+                         oneDNN prepacked weights, float32 or bf16 (opaque, layout of this oneDNN
                          build) as their dense [N, K] values, packed again at load
     plan<i>.report.json  its :class:`~opfuse.report.data.FusionReport`
 
@@ -48,6 +48,10 @@ FORMAT = 1
 
 #: Op namespaces a saved graph may call (looked up as ``torch.ops.<ns>.<name>.<overload>``).
 NAMESPACES = ("aten", "opfuse", "mkldnn", "prims")
+#: oneDNN prepacked weights a plan may hold: float32 (:mod:`opfuse.gemm`'s ``packed``) and
+#: bfloat16 (:mod:`opfuse.precision`), saved dense and packed again at load.
+PACKED_PREFIXES = ("opfuse_folded_packed_", "opfuse_folded_bf16_")
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 #: Python builtins a saved graph may call (tuple outputs, symbolic size arithmetic).
 BUILTINS = {f"operator.{f.__name__}": f for f in (
     operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv,
@@ -321,7 +325,7 @@ def _tensors(gm: fx.GraphModule) -> tuple[dict[str, torch.Tensor], dict[str, int
             t = attrgetter(n.target)(gm)
             if not isinstance(t, torch.Tensor):
                 raise SaveError(f"opfuse.save: attribute {n.target} is a {type(t).__name__}, not a tensor")
-            if t.is_mkldnn and t.dim() == 2 and t.dtype == torch.float32:
+            if t.is_mkldnn and t.dim() == 2 and t.dtype in PACKED_DTYPES:
                 packed[n.target] = int(gm.meta.get("opfuse_packed_rows", {}).get(n.target, 1))
                 t = t.to_dense()
             elif t.layout != torch.strided:
@@ -337,11 +341,12 @@ def _repack(tensors: dict[str, torch.Tensor], packed: dict, root: Path) -> None:
     from .gemm import pack
     for target, rows in packed.items():
         t = tensors.get(target)
-        if not (isinstance(target, str) and target.startswith("opfuse_folded_packed_")):
+        if not (isinstance(target, str) and target.startswith(PACKED_PREFIXES)):
             raise LoadError(f"opfuse.load: {target!r} in the manifest of {root} is not a prepacked weight of opfuse")
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.float32 \
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in PACKED_DTYPES \
                 or not isinstance(rows, int) or rows < 1:
-            raise LoadError(f"opfuse.load: prepacked weight {target!r} of {root} is not a float32 [N, K] tensor")
+            raise LoadError(f"opfuse.load: prepacked weight {target!r} of {root} is not a float32 / bfloat16 "
+                            "[N, K] tensor")
         if not torch.backends.mkldnn.is_available():
             raise LoadError(f"opfuse.load: {root} runs GEMMs on oneDNN prepacked weights and this torch has no "
                             "oneDNN (re-optimize the model here)")
@@ -532,6 +537,10 @@ def read_plans(path, model: torch.nn.Module | None = None, warn_cpu: bool = True
             tensors = load_file(str(root / files["tensors"]))
         except (SafetensorError, OSError, ValueError) as exc:
             raise LoadError(f"opfuse.load: cannot read {root / files['tensors']}: {exc}") from None
+        # safetensors hands back tensors at the file's byte offsets (8-byte aligned); a fresh
+        # torch allocation is 64-byte aligned as the saved module's were, and MKL's results
+        # depend on operand alignment (one ulp apart on the Zen 5 machines), so copy them
+        tensors = {name: t.clone() for name, t in tensors.items()}
         for target, source in entry.get("aliases", {}).items():
             tensors[target] = tensors[source]
         _repack(tensors, entry.get("packed", {}), root)

@@ -84,7 +84,8 @@ def test_saved_decoder_with_its_cache_loads_in_a_fresh_process(tmp_path):
     with torch.no_grad():
         ref = fused(ids)
     torch.save({"ids": ids, "h": ref.last_hidden_state, "k": ref.past_key_values.layers[1].keys}, tmp_path / "ref.pt")
-    script = (f"import torch, opfuse\n"
+    script = (f"import torch, opfuse\n"  # the parent's thread count: BLAS's sums split by threads
+              f"torch.set_num_threads({torch.get_num_threads()})\n"
               f"ref = torch.load({str(tmp_path / 'ref.pt')!r}, weights_only=True)\n"
               f"out = opfuse.load({str(root)!r})(ref['ids'])\n"
               "assert type(out.past_key_values).__name__ == 'DynamicCache'\n"
