@@ -1,30 +1,41 @@
-"""Mixed precision by measurement: ``optimize(..., precision="bf16")`` runs a GEMM in
-bfloat16 only where its measured error on the example inputs stays within ``tolerance``
-*and* it is measured faster than its float32 form; the whole model is then checked against
-the float32 plan and GEMMs are put back to float32 until it passes.
+"""Mixed precision by measurement: ``optimize(..., precision="bf16")`` runs a GEMM region
+in bfloat16 only where its measured error on the example inputs stays within
+``tolerance`` *and* it is measured faster than its float32 form; the whole model is then
+checked against the float32 plan and regions are put back to float32 until it passes.
 
 ::
 
     float32 plan (GEMM backends chosen) ── record every value on the example inputs
-      └─ for each plain GEMM (aten.linear / oneDNN linear without post-op):
-           error  = max|y_bf16 − y_fp32| / max|y_fp32|   on the recorded input x
-           time   = bf16 vs the node's float32 form, interleaved medians (cached per shape)
+      └─ regions, all decided on the float32 graph:
+           a plain GEMM (aten.linear / oneDNN linear without post-op / Wᵀ matmul), with
+             the aten.gelu that is its only user (erf or tanh) as oneDNN's GELU post-op;
+           an opfuse op with GEMMs inside (FUSED_WEIGHTS: linear+add+LayerNorm, FFN,
+             bias+GELU, SwiGLU, GeGLU, linear+residual) on bf16 copies of its weights,
+             its epilogue kernel unchanged (float32)
+           error  = max|y_bf16 − y_fp32| / max|y_fp32|   on the recorded inputs
+           time   = bf16 vs the region's float32 form, interleaved medians (cached per shape)
            bf16 when error ≤ tolerance and time ≤ (1 − MARGIN) · float32 time
-      └─ rewrite: x → bf16, GEMM on a bf16 copy of the weight (folded once, float32
-         accumulation inside oneDNN), result → float32, + bias in float32
+      └─ rewrite: x → bf16, oneDNN inner product on a prepacked bf16 copy of the weight
+         (folded once; float32 accumulation, + float32 bias and the post-op on the
+         accumulator, one rounding to bf16), result → float32
       └─ end to end vs the float32 plan: max|Δ| / max(1, max|ref|) ≤ E2E_FACTOR · tolerance
-         and the cosine of every floating output ≥ COSINE_MIN; otherwise the GEMMs with
+         and the cosine of every floating output ≥ COSINE_MIN; otherwise the regions with
          the largest errors go back to float32 (half of them per round) until it passes
+      └─ elide_casts: a bf16 result that only goes back to bf16 (GELU region → next GEMM,
+         through views) skips its float32 round trip (exact: same bits)
 
 What stays float32: the residual stream, every normalisation (LayerNorm / RMSNorm
-statistics), softmax and attention, and the GEMMs inside opfuse's fused ops (their
-epilogues are float32 kernels). On a CPU without native bf16 (no ``avx512_bf16`` /
-``amx_bf16``) oneDNN emulates bf16: measured on the Intel Ice Lake machines (one thread)
-a 128×768×768 GEMM ran 4.6x *slower* in bf16, a one-row GEMV over a 32000×512 LM head
-1.5x faster (half the weight bytes), so the time gate keeps float32 where emulation loses
-and the report says the CPU has no native bf16. ``precision="fp16"`` has no CPU path: the
-report says so and the plan stays float32. ``precision="fp32"`` (the default) changes
-nothing.
+statistics), softmax and attention (ATen's bf16 SDPA measured *slower* than float32 on the
+Zen 5 machines: 1.01 vs 0.84 ms at 1×12×128×64, 5.6 vs 4.7 ms at 8×12×128×32), and the
+fused ops' epilogues. Measured on the 2-core AMD EPYC Zen 5 machines (avx512_bf16, one
+thread): oneDNN's bf16 inner product on prepacked weights ran 340–390 GFLOP/s against
+150–200 in float32 (oneDNN) and 70–85 (MKL), so every BERT / MiniLM GEMM region goes bf16.
+On a CPU without native bf16 (no ``avx512_bf16`` / ``amx_bf16``) oneDNN emulates bf16:
+measured on the Intel Ice Lake machines (one thread) a 128×768×768 GEMM ran 4.6x *slower*
+in bf16, a one-row GEMV over a 32000×512 LM head 1.5x faster (half the weight bytes), so
+the time gate keeps float32 where emulation loses and the report says the CPU has no native
+bf16. ``precision="fp16"`` has no CPU path: the report says so and the plan stays float32.
+``precision="fp32"`` (the default) changes nothing.
 """
 
 from __future__ import annotations
@@ -91,24 +102,64 @@ class PrecisionChoice:
     reason: str
 
 
-def bf16_linear(x: torch.Tensor, weight_bf16: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] float32 @ weight_bf16 [N, K]ᵀ in bfloat16 with float32 accumulation
-    (oneDNN's inner product), the result back in float32, + bias [N] in float32."""
-    y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight_bf16, None, "none", [], "").float()
-    return y if bias is None else y + bias
+#: oneDNN eltwise post-ops a bf16 GEMM region absorbs: aten.gelu's ``approximate`` -> the
+#: post-op's algorithm (:func:`epilogue_of`).
+GELU_POST_OPS = {"none": "none", "tanh": "tanh"}
 
 
-def _sites(gm: fx.GraphModule) -> list[fx.Node]:
-    out = []
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or n.kwargs:
-            continue
-        if n.target is aten.linear.default or (
-                n.target is torch.ops.mkldnn._linear_pointwise.default and len(n.args) > 3 and n.args[3] == "none"):
-            out.append(n)
-        elif n.target is aten.matmul.default and is_wt_copy(n.args[1]):  # opfuse.gemm.direct_wt_matmuls' form
-            out.append(n)
-    return out
+def bf16_linear(x: torch.Tensor, weight_bf16: torch.Tensor, bias: torch.Tensor | None,
+                post: str = "none", algorithm: str = "") -> torch.Tensor:
+    """x [..., K] float32 (or bfloat16) @ weight_bf16 [N, K]ᵀ in bfloat16 with float32
+    accumulation (oneDNN's inner product; ``weight_bf16`` dense or prepacked by
+    :func:`opfuse.gemm.pack`), + bias [N] in float32 and the ``post`` eltwise op ("gelu",
+    ``algorithm`` "none" = erf or "tanh") applied to the float32 accumulator inside oneDNN,
+    then rounded once to bfloat16; returned as float32 [..., N]."""
+    xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+    if bias is not None and bias.dim() != 1:  # oneDNN takes a [N] bias only: add it in float32
+        return bf16_linear(xb, weight_bf16, None, post, algorithm) + bias if post == "none" else \
+            torch.nn.functional.gelu(bf16_linear(xb, weight_bf16, None) + bias, approximate=algorithm)
+    return torch.ops.mkldnn._linear_pointwise(xb, weight_bf16, bias, post, [], algorithm).float()
+
+
+def _sole_user(node: fx.Node, target) -> fx.Node | None:
+    users = list(node.users)
+    u = users[0] if len(users) == 1 else None
+    return u if u is not None and u.op == "call_function" and u.target is target and u.args[0] is node else None
+
+
+def epilogue_of(node: fx.Node) -> fx.Node | None:
+    """The ``aten.gelu`` (erf or tanh) that is the only user of ``node`` (the GEMM or its
+    bias add; run as oneDNN's GELU post-op in the bf16 region), or None."""
+    g = _sole_user(node, aten.gelu.default)
+    if g is None:
+        return None
+    approximate = g.kwargs.get("approximate", g.args[1] if len(g.args) > 1 else "none")
+    return g if approximate in GELU_POST_OPS else None
+
+
+def bias_add_of(node: fx.Node, env: dict) -> fx.Node | None:
+    """The ``aten.add(node, bias)`` that is the only user of a GEMM without a bias argument
+    (:func:`opfuse.gemm.direct_wt_matmuls`' form of a merged QKV), with ``bias`` a float32
+    [N] tensor of the plan: added inside oneDNN in the bf16 region. None otherwise."""
+    add = _sole_user(node, aten.add.Tensor)
+    if add is None or len(add.args) != 2 or add.kwargs or not isinstance(add.args[1], fx.Node):
+        return None
+    bias, y = env.get(add.args[1]), env.get(node)
+    ok = isinstance(bias, torch.Tensor) and isinstance(y, torch.Tensor) and bias.dim() == 1 \
+        and bias.dtype == torch.float32 and bias.shape[0] == y.shape[-1] and add.args[1].op == "get_attr"
+    return add if ok else None
+
+
+def _tail(node: fx.Node, env: dict) -> list[fx.Node]:
+    """The plain GEMM region's nodes: ``[node]``, + its bias add (when the GEMM has no bias
+    argument), + its GELU."""
+    nodes = [node]
+    if node.target is aten.matmul.default:
+        add = bias_add_of(node, env)
+        if add is not None:
+            nodes.append(add)
+    gelu = epilogue_of(nodes[-1])
+    return nodes + ([gelu] if gelu is not None else [])
 
 
 def _dense_weight(gm: fx.GraphModule, w, transposed: bool = False) -> tuple[torch.Tensor, str] | None:
@@ -201,34 +252,20 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
     ref = _outputs(gm, args, kwargs)
     cache = load_cache(CACHE) if timer is None else {}
     size = len(cache)
-    chosen: list[tuple[fx.Node, list[fx.Node], float]] = []
-    converted: dict[str, fx.Node] = {}
-    for node in _sites(gm):
-        x_node, w_arg = node.args[0], node.args[1]
-        b_arg = node.args[2] if len(node.args) > 2 else None
-        dense = _dense_weight(gm, w_arg, transposed=node.target is aten.matmul.default)
-        x = env.get(x_node) if isinstance(x_node, fx.Node) else None
-        y = env.get(node)
-        b = env.get(b_arg) if isinstance(b_arg, fx.Node) else None
-        if dense is None or not isinstance(x, torch.Tensor) or x.dtype != torch.float32 \
-                or not isinstance(y, torch.Tensor) or (b_arg is not None and not isinstance(b, torch.Tensor)):
-            continue
-        w32, source = dense
-        n_out, k = w32.shape
-        m = as_int(prod(x.shape[:-1]))
-        wb = w32.to(torch.bfloat16).contiguous()
+    chosen: list[tuple[Region, float]] = []
+    converted: dict[str, list] = {}
+    regions = [r for r in (_region(gm, node, env, converted) for node in _sites(gm)) if r is not None]
+    for region in regions:  # all decided on the float32 graph, before any is lowered
+        node = region.node
         with torch.no_grad():
-            y16 = bf16_linear(x, wb, b)
-        scale = float(y.abs().max()) if y.numel() else 0.0
-        err = float((y16 - y).abs().max()) / scale if scale > 0 else 0.0
+            err = _relative_error(region.bf16(), region.out)
         if errors is not None and node.name in errors:
             err = errors[node.name]
-        node_args = [env.get(a, a) if isinstance(a, fx.Node) else a for a in node.args]
-        key = (f"{cpu_model()} | torch {torch.__version__} | threads {torch.get_num_threads()} | bf16 vs "
-               f"{node.target}({m}x{k}, {n_out}x{k}, bias={b is not None})" + (" | cold" if m <= COLD_ROWS else ""))
-        times = timer(node, lambda: node.target(*node_args), lambda: bf16_linear(x, wb, b)) if timer else cache.get(key)
+        key = f"{cpu_model()} | torch {torch.__version__} | threads {torch.get_num_threads()} | {region.label}" + (
+            " | cold" if region.m <= COLD_ROWS else "")
+        times = timer(node, region.fp32, region.bf16) if timer else cache.get(key)
         if times is None:
-            times = _measure(lambda: node.target(*node_args), lambda: bf16_linear(x, wb, b), m)
+            times = _measure(region.fp32, region.bf16, region.m)
             if busy() is None:
                 cache[key] = times
         faster = times["bf16"] <= times["fp32"] * (1 - MARGIN)
@@ -237,27 +274,26 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
         elif not faster:
             why = f"float32: bf16 not {MARGIN:.0%} faster ({times['bf16'] * 1e6:.0f} vs {times['fp32'] * 1e6:.0f} µs)"
         else:
-            why = f"bf16: error {err:.1e} ≤ {tol:.0e}, {times['fp32'] / times['bf16']:.2f}x faster"
-        choice = PrecisionChoice(node.name, m, k, n_out, "bf16" if err <= tol and faster else "fp32",
+            why = f"bf16{region.how}: error {err:.1e} ≤ {tol:.0e}, {times['fp32'] / times['bf16']:.2f}x faster"
+        choice = PrecisionChoice(node.name, region.m, region.k, region.n, "bf16" if err <= tol and faster else "fp32",
                                  err, {kk: round(v, 9) for kk, v in times.items()}, why)
         info["gemms"].append(asdict(choice))
         if choice.precision == "bf16":
-            chain = _lower(gm, node, converted, source, wb)
-            chosen.append((node, chain, err))
+            chosen.append((region, err))
     if len(cache) != size:
         save_cache(CACHE, cache)
+    for region, _ in chosen:
+        region.lower()
     if chosen:
         gm.recompile()
         check = end_to_end(_outputs(gm, args, kwargs), ref)
         while chosen and not (check["max_error"] <= E2E_FACTOR * tol and check["min_cosine"] >= COSINE_MIN):
-            chosen.sort(key=lambda c: -c[2])
+            chosen.sort(key=lambda c: -c[1])
             back, chosen = chosen[: max(1, len(chosen) // 2)], chosen[max(1, len(chosen) // 2):]
-            for node, chain, _ in back:
-                chain[-1].replace_all_uses_with(node)
-                for c in reversed(chain):
-                    gm.graph.erase_node(c)
+            for region, _ in back:
+                region.restore()
                 for g in info["gemms"]:
-                    if g["node"] == node.name:
+                    if g["node"] == region.node.name:
                         g["precision"] = "fp32"
                         g["reason"] = (f"float32: put back, the whole model was over budget (max error "
                                        f"{check['max_error']:.1e}, cosine {check['min_cosine']:.6f})")
@@ -265,8 +301,10 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
             gm.recompile()
             check = end_to_end(_outputs(gm, args, kwargs), ref)
         info["end_to_end"] = check
-    for node, _, _ in chosen:
-        gm.graph.erase_node(node)  # the float32 GEMM, kept unused while the budget was checked
+    for region, _ in chosen:  # the float32 forms, kept unused while the budget was checked
+        region.finish()
+    info["casts_removed"] = elide_casts(gm) if chosen else 0
+    gm.graph.eliminate_dead_code(is_impure_node=_impure)
     from .rewrite import drop_unused_parameters
     drop_unused_parameters(gm)
     gm.graph.lint()
@@ -274,30 +312,265 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
     return info
 
 
-def _lower(gm: fx.GraphModule, node: fx.Node, converted: dict, source: str, wb: torch.Tensor) -> list[fx.Node]:
-    """Insert the bf16 form of the GEMM ``node`` after it and route its users there; the
-    float32 node stays (unused) until the end-to-end check. Returns the inserted nodes."""
-    attr = converted.get(source)
-    if attr is None:
-        buf = f"opfuse_folded_bf16_{source.replace('.', '_')}"
-        gm.register_buffer(buf, wb)
-        note_derived(gm, buf, [source])
-        with gm.graph.inserting_before(node):
-            attr = gm.graph.get_attr(buf)
-        converted[source] = attr
-    x, b = node.args[0], node.args[2] if len(node.args) > 2 else None
-    with gm.graph.inserting_after(node):
+def _impure(n: fx.Node) -> bool:
+    return n.op != "call_function" or (isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable)
+
+
+def _relative_error(y, ref) -> float:
+    """max|y − ref| / max|ref| over the floating tensors of ``y`` / ``ref`` (a tensor or a
+    tuple of them, as a fused op returns), over their finite entries; ``inf`` where the
+    NaN / ±inf positions differ (:func:`opfuse.verify.compare`'s rule; a NaN error would
+    pass every ``err > tolerance`` test)."""
+    from .verify import compare
+    ys, rs = (y, ref) if isinstance(ref, (tuple, list)) else ((y,), (ref,))
+    err = 0.0
+    for a, r in zip(ys, rs):
+        if isinstance(r, torch.Tensor) and r.is_floating_point() and r.numel():
+            if compare(a, r) == math.inf:
+                return math.inf
+            fin = torch.isfinite(r)
+            scale = float(r[fin].abs().max()) if fin.any() else 0.0
+            err = max(err, float((a.float()[fin] - r[fin]).abs().max()) / scale if scale > 0 else 0.0)
+    return err
+
+
+@dataclass
+class Region:
+    """One bf16 candidate: a plain GEMM (with its GELU epilogue) or an opfuse op with GEMMs
+    inside. ``fp32`` / ``bf16``: the region on the recorded values in each form (the
+    clock's two sides); ``out``: the recorded float32 result; ``lower`` / ``restore``
+    switch the graph to the bf16 form and back; ``finish`` drops the float32 form once the
+    end-to-end check has passed; ``label``: the timing cache's key; ``how``: the report's
+    words for the form."""
+
+    node: fx.Node
+    m: int
+    k: int
+    n: int
+    fp32: Callable
+    bf16: Callable
+    out: object
+    lower: Callable[[], None]
+    restore: Callable[[], None]
+    finish: Callable[[], None]
+    label: str
+    how: str = ""
+
+
+#: opfuse ops with GEMMs inside -> the argument indices of their [N, K] weights; in bf16
+#: these run on prepacked bf16 copies (:func:`opfuse.kernels.cpu._gemm.linear`) and keep
+#: their float32 epilogue kernels.
+FUSED_WEIGHTS = {"linear_bias_gelu": (1,), "linear_residual": (1,), "swiglu": (1,), "geglu": (1,),
+                 "linear_add_layernorm": (1,), "linear_add_layernorm_sum": (1,), "ffn": (1, 3)}
+
+
+def _fused_op(node: fx.Node) -> str | None:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or \
+            target.namespace != "opfuse":
+        return None
+    name = target._schema.name.split("::")[-1]
+    return name if name in FUSED_WEIGHTS else None
+
+
+def _sites(gm: fx.GraphModule) -> list[fx.Node]:
+    """The GEMM nodes ``precision`` decides on: plain GEMMs (``aten.linear``, oneDNN linear
+    without post-op, :func:`opfuse.gemm.direct_wt_matmuls`' ``matmul``) and the opfuse ops
+    of :data:`FUSED_WEIGHTS`."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.kwargs:
+            continue
+        if n.target is aten.linear.default or (
+                n.target is torch.ops.mkldnn._linear_pointwise.default and len(n.args) > 3 and n.args[3] == "none"):
+            out.append(n)
+        elif n.target is aten.matmul.default and is_wt_copy(n.args[1]):
+            out.append(n)
+        elif _fused_op(n) is not None:
+            out.append(n)
+    return out
+
+
+def _bf16_weight(gm: fx.GraphModule, converted: dict, w_arg, rows: int, transposed: bool = False):
+    """(prepacked bf16 copy of a GEMM's weight argument, a function giving its ``get_attr``
+    node, made once per source and shared) or None when the argument is not a parameter /
+    folded copy (:func:`_dense_weight`)."""
+    from .gemm import pack
+    dense = _dense_weight(gm, w_arg, transposed=transposed)
+    if dense is None:
+        return None
+    w32, source = dense
+    made = converted.get(source)
+    if made is None:
+        made = converted[source] = [pack(w32.to(torch.bfloat16), rows), None]
+
+    def attr() -> fx.Node:
+        if made[1] is None:
+            buf = f"opfuse_folded_bf16_{source.replace('.', '_')}"
+            gm.register_buffer(buf, made[0])
+            note_derived(gm, buf, [source])
+            gm.meta.setdefault("opfuse_packed_rows", {})[buf] = rows  # opfuse.save packs it again
+            with gm.graph.inserting_before(next(n for n in gm.graph.nodes if n.op != "placeholder")):
+                made[1] = gm.graph.get_attr(buf)
+        return made[1]
+    return made[0], attr
+
+
+def _region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict) -> Region | None:
+    """The bf16 candidate of the site ``node`` on the recorded values ``env``, or None where
+    it does not apply (a weight not a parameter / folded copy, an input not float32, no
+    recorded value)."""
+    x = env.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() < 2:
+        return None
+    m = as_int(prod(x.shape[:-1]))
+    values = [env.get(a, a) if isinstance(a, fx.Node) else a for a in node.args]
+    fused = _fused_op(node)
+    if fused is not None:
+        if any(isinstance(a, fx.Node) and not isinstance(v, torch.Tensor) for a, v in zip(node.args, values)) \
+                or not isinstance(env.get(node), (torch.Tensor, tuple, list)):
+            return None
+        made = {i: _bf16_weight(gm, converted, node.args[i], m) for i in FUSED_WEIGHTS[fused]}
+        if any(v is None for v in made.values()):
+            return None
+        low = [made[i][0] if i in made else v for i, v in enumerate(values)]
+        n_out, k = made[FUSED_WEIGHTS[fused][0]][0].shape
+        weights = {i: node.args[i] for i in made}
+
+        def lower():  # the other arguments may have been rerouted by the regions lowered before
+            node.args = tuple(made[i][1]() if i in made else a for i, a in enumerate(node.args))
+            node.meta["opfuse_precision"] = "bf16"
+
+        def restore():
+            node.args = tuple(weights.get(i, a) for i, a in enumerate(node.args))
+            node.meta.pop("opfuse_precision", None)
+        return Region(node, m, k, n_out, lambda: node.target(*values), lambda: node.target(*low), env[node],
+                      lower, restore, lambda: None,
+                      f"bf16 packed weights vs {node.target}({m}x{k}, " + ", ".join(
+                          f"{made[i][0].shape[0]}x{made[i][0].shape[1]}" for i in made) + ")",
+                      " GEMMs, float32 epilogue")
+    nodes = _tail(node, env)
+    b_arg = node.args[2] if len(node.args) > 2 and node.target is not aten.matmul.default else None
+    if len(nodes) > 1 and nodes[1].target is aten.add.Tensor:
+        b_arg = nodes[1].args[1]
+    b = env.get(b_arg) if isinstance(b_arg, fx.Node) else None
+    out = env.get(nodes[-1])
+    made = _bf16_weight(gm, converted, node.args[1], m, transposed=node.target is aten.matmul.default)
+    if made is None or not isinstance(out, torch.Tensor) or (b_arg is not None and not isinstance(b, torch.Tensor)):
+        return None
+    wb, attr = made
+    n_out, k = wb.shape
+    post, algorithm = "none", ""
+    if nodes[-1].target is aten.gelu.default:
+        approximate = nodes[-1].kwargs.get("approximate", nodes[-1].args[1] if len(nodes[-1].args) > 1 else "none")
+        post, algorithm = "gelu", GELU_POST_OPS[approximate]
+    chain: list[fx.Node] = []
+
+    def lower():
+        chain[:] = _lower(gm, nodes, attr(), b_arg, post, algorithm)
+
+    def finish():
+        for n in reversed(nodes):
+            gm.graph.erase_node(n)
+    return Region(node, m, k, n_out, _float32_form(nodes, env), lambda: bf16_linear(x, wb, b, post, algorithm), out,
+                  lower, lambda: _restore(gm, nodes, chain), finish,
+                  f"bf16 packed {'+' + post + '(' + algorithm + ') ' if post != 'none' else ''}vs {node.target}("
+                  f"{m}x{k}, {n_out}x{k}, bias={b is not None})",
+                  (" + bias" if b_arg is not None and len(nodes) > 1 and nodes[1].target is aten.add.Tensor else "")
+                  + (" + GELU post-op" if post != "none" else ""))
+
+
+def _float32_form(nodes: list[fx.Node], env: dict) -> Callable[[], torch.Tensor]:
+    """The float32 region as the plan runs it (the GEMM node, then its bias add and GELU),
+    on the recorded values: the clock's baseline."""
+    def run():
+        y = None
+        for i, n in enumerate(nodes):
+            args = [y if (i and a is nodes[i - 1]) else env.get(a, a) if isinstance(a, fx.Node) else a
+                    for a in n.args]
+            y = n.target(*args, **n.kwargs)
+        return y
+    return run
+
+
+def _lower(gm: fx.GraphModule, nodes: list[fx.Node], attr: fx.Node, b, post: str = "none",
+           algorithm: str = "") -> list[fx.Node]:
+    """Insert the bf16 form of the GEMM region ``nodes`` (:func:`_tail`: the GEMM, its bias
+    add, its GELU as oneDNN's post-op when ``post`` is "gelu") after it and route the
+    region's users there: ``x → bf16 → _linear_pointwise(prepacked bf16 W = attr, float32
+    bias b, post-op) → float32``. The float32 nodes stay (unused) until the end-to-end check.
+    Returns the inserted nodes."""
+    node, last = nodes[0], nodes[-1]
+    x = node.args[0]
+    vb = b.meta.get("val") if isinstance(b, fx.Node) else None
+    split_bias = b is not None and not (isinstance(vb, torch.Tensor) and vb.dim() == 1)
+    with gm.graph.inserting_after(last):
         xb = gm.graph.call_function(aten._to_copy.default, (x,), {"dtype": torch.bfloat16})
     with gm.graph.inserting_after(xb):
-        yb = gm.graph.call_function(torch.ops.mkldnn._linear_pointwise.default, (xb, attr, None, "none", [], ""))
+        yb = gm.graph.call_function(torch.ops.mkldnn._linear_pointwise.default,
+                                    (xb, attr, None if split_bias else b, "none" if split_bias else post, [],
+                                     "" if split_bias else algorithm))
     with gm.graph.inserting_after(yb):
         y = gm.graph.call_function(aten._to_copy.default, (yb,), {"dtype": torch.float32})
     chain = [xb, yb, y]
-    if b is not None:
-        with gm.graph.inserting_after(y):
-            chain.append(gm.graph.call_function(aten.add.Tensor, (y, b)))
+    if split_bias:  # a broadcast bias: added in float32 (then the GELU), as bf16_linear does
+        with gm.graph.inserting_after(chain[-1]):
+            chain.append(gm.graph.call_function(aten.add.Tensor, (chain[-1], b)))
+        if post != "none":
+            with gm.graph.inserting_after(chain[-1]):
+                chain.append(gm.graph.call_function(aten.gelu.default, (chain[-1],), {"approximate": algorithm}))
     for c in chain:
         c.meta["opfuse_precision"] = "bf16"
-    chain[-1].meta["val"] = node.meta.get("val")
-    node.replace_all_uses_with(chain[-1], delete_user_cb=lambda u: u not in chain)
+    chain[-1].meta["val"] = last.meta.get("val")
+    last.replace_all_uses_with(chain[-1], delete_user_cb=lambda u: u not in chain)
     return chain
+
+
+def _restore(gm: fx.GraphModule, nodes: list[fx.Node], chain: list[fx.Node]) -> None:
+    """Undo :func:`_lower`: the region's users read the float32 nodes again."""
+    chain[-1].replace_all_uses_with(nodes[-1])
+    for c in reversed(chain):
+        gm.graph.erase_node(c)
+
+
+#: Ops that only re-index their first argument (values and dtype unchanged): a cast
+#: commutes with them.
+VIEW_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
+                      aten.alias.default, aten.unsqueeze.default, aten.squeeze.dim, aten.transpose.int,
+                      aten.permute.default, aten.expand.default, aten.slice.Tensor, aten.select.int,
+                      aten.clone.default})
+
+
+def _is_cast(node, dtype: torch.dtype) -> bool:
+    return (isinstance(node, fx.Node) and node.op == "call_function" and node.target is aten._to_copy.default
+            and len(node.args) == 1 and node.kwargs == {"dtype": dtype})
+
+
+def elide_casts(gm: fx.GraphModule) -> int:
+    """Remove the round trips of the bf16 regions: ``→bf16( views( →float32(t) ) )`` with
+    ``t`` bfloat16 becomes ``views(t)`` (bfloat16 → float32 is exact and back again gives
+    the same bits; the views only re-index). So the GELU region's bf16 output feeds the next
+    GEMM directly and the float32 copy between them is never made. A cast whose result an
+    op of the graph writes in place is left alone. Returns the number of casts removed."""
+    removed = 0
+    for node in list(gm.graph.nodes):
+        if not _is_cast(node, torch.bfloat16) or any(
+                u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable
+                for u in node.users):
+            continue
+        views, src = [], node.args[0]
+        while isinstance(src, fx.Node) and src.op == "call_function" and src.target in VIEW_OPS:
+            views.append(src)
+            src = src.args[0]
+        if not _is_cast(src, torch.float32) or src.args[0].meta.get("opfuse_precision") != "bf16" \
+                or not (isinstance(src.args[0], fx.Node) and src.args[0].target is torch.ops.mkldnn._linear_pointwise.default):
+            continue
+        value = src.args[0]
+        with gm.graph.inserting_before(node):
+            for v in reversed(views):
+                value = gm.graph.call_function(v.target, (value, *v.args[1:]), dict(v.kwargs))
+                value.meta["opfuse_precision"] = "bf16"
+        node.replace_all_uses_with(value)
+        gm.graph.erase_node(node)
+        removed += 1
+    return removed  # the float32 casts left without users go with apply_precision's dead-code pass

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import opfuse
 from opfuse import precision as P
+from opfuse.gemm import pack
 from opfuse.models import load
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="bf16 GEMMs run through oneDNN")
@@ -23,21 +24,27 @@ def _plan(name="llama-tiny", batch=2, seq=7):
 
 
 def _lowered(gm):
+    """The GEMM calls running in bf16: oneDNN bf16 linears and opfuse ops on bf16 weights."""
     return [n for n in gm.graph.nodes if n.meta.get("opfuse_precision") == "bf16"
-            and n.target is torch.ops.mkldnn._linear_pointwise.default]
+            and (n.target is torch.ops.mkldnn._linear_pointwise.default or P._fused_op(n))]
 
 
 def test_bf16_gemm_within_its_error_bound_of_float64():
     """|y − y₆₄| ≤ 2⁻⁸·(|x|·|W|ᵀ) + 2⁻⁹·|y₆₄| (+ float32 accumulation): both operands
-    rounded to bf16 once (unit roundoff 2⁻⁹ each), the product rounded to bf16 once."""
+    rounded to bf16 once (unit roundoff 2⁻⁹ each), the result (bias added in float32 inside
+    oneDNN) rounded to bf16 once; the GELU post-op's result likewise."""
     g = torch.Generator().manual_seed(0)
     for m, k, n in [(1, 37, 53), (7, 512, 129), (129, 96, 40), (512, 64, 17)]:
         x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
         y = P.bf16_linear(x, w.to(torch.bfloat16), b)
-        exact = x.double() @ w.double().T
-        bound = 2.0**-8 * (x.double().abs() @ w.double().abs().T) * 1.01 + 2.0**-9 * exact.abs() + 1e-5
+        exact = x.double() @ w.double().T + b.double()
+        operands = 2.0**-8 * (x.double().abs() @ w.double().abs().T) * 1.01
+        bound = operands + 2.0**-9 * exact.abs() + 1e-5
         assert y.dtype == torch.float32 and y.shape == (m, n)
-        assert bool(((y.double() - b.double() - exact).abs() <= bound).all())
+        assert bool(((y.double() - exact).abs() <= bound).all())
+        yg = P.bf16_linear(x, pack(w.to(torch.bfloat16), m), b, "gelu", "none")  # GELU post-op, prepacked W
+        gelu = F.gelu(exact)  # |GELU'| ≤ 1.13: the GEMM's error passes through at most 1.13x
+        assert bool(((yg.double() - gelu).abs() <= 1.13 * operands + 2.0**-9 * gelu.abs() + 1e-5).all())
 
 
 def test_default_is_float32_bit_for_bit():
@@ -189,3 +196,104 @@ def test_cli_optimize_precision_and_gemm(tmp_path, capsys):
     assert data["precision"]["requested"] == "bf16" and data["precision"]["gemms"]
     assert data["gemm"] and {g["backend"] for g in data["gemm"]} == {"packed"}
     assert "Precision" in capsys.readouterr().out
+
+
+def test_fused_kernels_on_bf16_weights_within_bf16_bounds_of_float64():
+    """The opfuse ops with GEMMs inside, handed a prepacked bf16 weight: each GEMM in bf16
+    (x and W rounded once, float32 accumulation, the result rounded once), the epilogue in
+    float32 — within bf16's bound of a float64 oracle, and the float32 weight's result
+    unchanged."""
+    g = torch.Generator().manual_seed(1)
+    m, k, h, n = 33, 96, 160, 80
+    x, res = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
+    w1, b1 = torch.randn(h, k, generator=g) / k**0.5, torch.randn(h, generator=g)
+    w2, b2 = torch.randn(n, h, generator=g) / h**0.5, torch.randn(n, generator=g)
+    w3 = torch.randn(n, k, generator=g) / k**0.5
+    q1, q2, q3 = (pack(w.to(torch.bfloat16), m) for w in (w1, w2, w3))
+    x64 = x.double()
+    ops = torch.ops.opfuse
+    y = ops.linear_residual(x, q3, b2, res)
+    exact = x64 @ w3.double().T + b2.double() + res.double()
+    assert y.dtype == torch.float32 and P.end_to_end([y], [exact.float()])["max_error"] <= 1e-2
+    hid = F.gelu(x64 @ w1.double().T + b1.double())
+    ffn = ops.ffn(x, q1, b1, q2, b2, "none", 16)
+    exact = hid @ w2.double().T + b2.double()
+    assert P.end_to_end([ffn], [exact.float()])["max_error"] <= 2e-2
+    assert P.end_to_end([ffn], [exact.float()])["min_cosine"] >= 0.9999
+    assert torch.allclose(ops.ffn(x, w1, b1, w2, b2, "none", 16).double(), exact, atol=1e-4, rtol=1e-4)
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, d=64, h=256):
+        super().__init__()
+        self.up, self.down, self.norm = torch.nn.Linear(d, h), torch.nn.Linear(h, d), torch.nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.norm(x + self.down(F.gelu(self.up(x))))
+
+
+def test_gelu_epilogue_is_a_post_op_and_the_bf16_result_feeds_the_next_gemm(monkeypatch, tmp_path):
+    """Linear → GELU → Linear unfused (θ = 1): the first GEMM and its GELU become one bf16
+    oneDNN call with the GELU post-op, its bf16 result feeds the second GEMM with no float32
+    round trip (the casts between are removed), and the output is within bf16's budget of
+    float64."""
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows: {"fp32": 2e-4, "bf16": 1e-4})
+    torch.manual_seed(0)
+    model = _MLP().eval()
+    x = torch.randn(4, 16, 64)
+    fused = opfuse.optimize(model, (x,), theta=1.0, decide="rho", precision="bf16")
+    p = fused.report.precision
+    assert fused.report.counts() == {} and [g["precision"] for g in p["gemms"]] == ["bf16", "bf16"]
+    assert "GELU post-op" in p["gemms"][0]["reason"] and p["casts_removed"] == 1
+    gm = next(iter(fused._plans.values())).gm
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    gemms = [n for n in calls if n.target is torch.ops.mkldnn._linear_pointwise.default]
+    assert [g.args[3] for g in gemms] == ["gelu", "none"] and not any(n.target is torch.ops.aten.gelu.default
+                                                                      for n in calls)
+    assert gemms[1].args[0] is gemms[0]  # bf16 straight into the next GEMM
+    with torch.no_grad():
+        exact = model.double()(x.double())
+        model.float()
+        out = fused(x)
+    e2e = P.end_to_end([out], [exact.float()])
+    assert e2e["max_error"] <= P.E2E_FACTOR * P.DEFAULT_TOLERANCE and e2e["min_cosine"] >= P.COSINE_MIN
+
+
+def test_fused_ops_take_bf16_weights_and_go_back_whole(monkeypatch):
+    """An encoder plan with fused regions (θ-selected: linear+add+LayerNorm, FFN, …): those
+    ops are precision sites too; in bf16 they read prepacked bf16 copies of their weights
+    (their epilogues stay float32); put back, they read the float32 weights again."""
+    loaded, fused, gm = _plan("bert-tiny", batch=2, seq=9)
+    kinds = {P._fused_op(n) for n in P._sites(gm)} - {None}
+    assert {"ffn", "linear_add_layernorm"} <= kinds
+    ref = P._outputs(gm, loaded.args, loaded.kwargs)  # hidden states and pooled output
+    info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER)
+    ffn = next(n for n in gm.graph.nodes if P._fused_op(n) == "ffn")
+    from operator import attrgetter
+    weights = [attrgetter(ffn.args[i].target)(gm) for i in P.FUSED_WEIGHTS["ffn"]]
+    assert all(w.is_mkldnn and w.dtype == torch.bfloat16 for w in weights)
+    assert {g["node"] for g in info["gemms"] if g["precision"] == "bf16"} >= {ffn.name}
+    assert P.end_to_end(P._outputs(gm, loaded.args, loaded.kwargs), ref) == pytest.approx(info["end_to_end"])
+    assert info["end_to_end"]["min_cosine"] >= P.COSINE_MIN
+    _, _, gm2 = _plan("bert-tiny", batch=2, seq=9)
+    info = P.apply_precision(gm2, loaded.args, loaded.kwargs, "bf16", tolerance=1e-9, timer=FASTER,
+                             errors={n.name: 0.0 for n in P._sites(gm2)})
+    assert info["reverted"] == len(info["gemms"])
+    assert not [b for b, _ in gm2.named_buffers() if b.startswith("opfuse_folded_bf16_")]
+    assert all(torch.equal(o, r) for o, r in zip(P._outputs(gm2, loaded.args, loaded.kwargs), ref))
+
+
+def test_a_region_whose_bf16_result_is_not_finite_stays_float32():
+    """Errors are compared over finite entries, and a NaN / inf where float32 has none (or
+    the reverse) is an infinite error: never "within budget" by a NaN comparison."""
+    ref = torch.tensor([[1.0, 2.0], [3.0, float("nan")]])
+    assert P._relative_error(ref + 0.01, ref) == pytest.approx(0.01 / 3.0)
+    assert P._relative_error(torch.tensor([[1.0, float("nan")], [3.0, float("nan")]]), ref) == float("inf")
+    assert P._relative_error(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), ref) == float("inf")
+    assert P._relative_error((ref, torch.ones(2)), (ref, torch.ones(2))) == 0.0
+    loaded, _, gm = _plan(seq=3)
+    name = P._sites(gm)[0].name
+    info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER, errors={name: float("inf")})
+    by = {g["node"]: g for g in info["gemms"]}
+    assert by[name]["precision"] == "fp32" and "> tolerance" in by[name]["reason"]

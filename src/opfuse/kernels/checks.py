@@ -49,9 +49,12 @@ def check_shape(op: str, name: str, t: torch.Tensor, expected: tuple[int, ...]) 
 
 
 def check_same(op: str, **tensors: torch.Tensor | None) -> None:
-    """Same dtype and same device for every non-None tensor."""
+    """Same dtype and same device for every non-None tensor; a oneDNN prepacked bf16 weight
+    (``precision="bf16"``: :func:`opfuse.kernels.cpu._gemm.linear` runs the GEMM in bf16
+    on a float32 ``x``) is exempt from the dtype rule."""
     present = {n: t for n, t in tensors.items() if t is not None}
-    if len({t.dtype for t in present.values()}) > 1:
+    typed = [t for t in present.values() if not (t.is_mkldnn and t.dtype == torch.bfloat16)]
+    if len({t.dtype for t in typed}) > 1:
         raise ValueError(f"opfuse.{op}: dtype mismatch { {n: t.dtype for n, t in present.items()} }")
     if len({t.device for t in present.values()}) > 1:
         raise ValueError(f"opfuse.{op}: device mismatch { {n: str(t.device) for n, t in present.items()} }")

@@ -11,7 +11,11 @@ a row of ``opfuse.gemm.BACKENDS``:
 * a oneDNN prepacked weight (``packed``: ``torch.ops.mkldnn._reorder_linear_weight``, an
   opaque ``torch._mkldnn`` tensor of shape [N, K]): oneDNN's inner product
   (``torch.ops.mkldnn._linear_pointwise``, bias and residual add as its post-ops), the
-  blocked layout made once at optimize time instead of on every call.
+  blocked layout made once at optimize time instead of on every call;
+* a oneDNN prepacked **bfloat16** weight (:mod:`opfuse.precision`, ``precision="bf16"``):
+  ``x`` rounded to bf16, oneDNN's bf16 inner product with float32 accumulation (+ the
+  float32 bias inside it), the result rounded once to bf16 and returned as float32, so
+  the fused op's epilogue (LayerNorm statistics, GELU, SwiGLU, residual) stays float32.
 
 Measured (float32, one thread): on the 2-core AMD EPYC Zen 5 machines MKL does not run its
 AVX-512 paths and oneDNN was 2.2–2.4x faster (247–276 vs 104–121 GFLOP/s at 128×768×768 …
@@ -33,7 +37,7 @@ def operand(weight: torch.Tensor) -> torch.Tensor:
     view of a row-major [K, N] buffer (both are BLAS operands as they are) or prepacked."""
     w = weight.detach()
     if w.is_mkldnn:
-        return w  # float32 only (opfuse.gemm packs float32 weights only)
+        return w  # float32 (opfuse.gemm) or bfloat16 (opfuse.precision), prepacked
     if w.dim() == 2 and not w.is_contiguous() and w.t().is_contiguous():
         return w.to(torch.float32)  # keeps the column-major strides (preserve_format)
     return w.to(dtype=torch.float32, memory_format=torch.contiguous_format)
@@ -45,6 +49,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (BLAS writes into it) when given, else a new one. ``weight`` from :func:`operand`.
     Read MK + NK (+ N), write MN (+ MN to copy oneDNN's result into ``out``)."""
     if weight.is_mkldnn:
+        if weight.dtype == torch.bfloat16:
+            y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight, bias, "none", [], "")
+            return y.float() if out is None else out.copy_(y)
         y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         return y if out is None else out.copy_(y)
     if bias is None:
@@ -57,5 +64,7 @@ def accumulate(x: torch.Tensor, weight: torch.Tensor, c: torch.Tensor) -> torch.
     written once) and returned, or with a prepacked weight as oneDNN's binary-add post-op
     (a new [M, N] tensor, C read once). Read MK + NK + MN, write MN."""
     if weight.is_mkldnn:
+        if weight.dtype == torch.bfloat16:  # c stays float32: + the bf16 GEMM's result
+            return c.add_(torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight, None, "none", [], ""))
         return torch.ops.mkldnn._linear_pointwise.binary(x, c, weight, None, "add")
     return c.addmm_(x, weight.t())
