@@ -548,13 +548,14 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
             (no capture, matching, verification or timing); new plans are stored there.
             ``report.capture["plan_cache"]`` says which. Default off.
         precision: ``"fp32"`` (default: nothing lowered, results unchanged bit for bit) or
-            ``"bf16"``: each plain GEMM runs in bfloat16 (float32 accumulation, weights
-            converted once) when its error on the example inputs is ≤ ``tolerance`` and it is
-            measured faster, then the whole model is checked against the float32 plan and
-            GEMMs go back to float32 until it is within budget (:mod:`opfuse.precision`);
-            ``report.precision`` lists every decision. ``"fp16"`` has no CPU path (reported,
-            float32 kept).
-        tolerance: per-GEMM relative error budget of ``precision`` (default
+            ``"bf16"``: each GEMM region (a GEMM with its bias and GELU, or a fused op with
+            GEMMs inside, whose epilogue stays float32) runs in bfloat16 (float32
+            accumulation, weights converted and prepacked once) when its error on the example
+            inputs is ≤ ``tolerance`` and it is measured faster, then the whole model is
+            checked against the float32 plan and regions go back to float32 until it is
+            within budget (:mod:`opfuse.precision`); ``report.precision`` lists every
+            decision. ``"fp16"`` has no CPU path (reported, float32 kept).
+        tolerance: per-region relative error budget of ``precision`` (default
             :data:`opfuse.precision.DEFAULT_TOLERANCE`, 1e-2); the whole model's budget is
             :data:`~opfuse.precision.E2E_FACTOR` times it and a cosine ≥
             :data:`~opfuse.precision.COSINE_MIN` for every output.

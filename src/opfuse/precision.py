@@ -11,7 +11,10 @@ checked against the float32 plan and regions are put back to float32 until it pa
              the aten.gelu that is its only user (erf or tanh) as oneDNN's GELU post-op;
            an opfuse op with GEMMs inside (FUSED_WEIGHTS: linear+add+LayerNorm, FFN,
              bias+GELU, SwiGLU, GeGLU, linear+residual) on bf16 copies of its weights,
-             its epilogue kernel unchanged (float32)
+             its epilogue kernel unchanged (float32);
+           at ≤ COLD_ROWS rows (a decode step) a plain GEMM and its bias as one
+             opfuse.linear_bf16 GEMV on a dense bf16 weight (float32 x and sums: only W
+             rounded), timed with the weight cold and the code warm (_measure)
            error  = max|y_bf16 − y_fp32| / max|y_fp32|   on the recorded inputs
            time   = bf16 vs the region's float32 form, interleaved medians (cached per shape)
            bf16 when error ≤ tolerance and time ≤ (1 − MARGIN) · float32 time
@@ -29,7 +32,9 @@ statistics), softmax and attention (ATen's bf16 SDPA measured *slower* than floa
 Zen 5 machines: 1.01 vs 0.84 ms at 1×12×128×64, 5.6 vs 4.7 ms at 8×12×128×32), and the
 fused ops' epilogues. Measured on the 2-core AMD EPYC Zen 5 machines (avx512_bf16, one
 thread): oneDNN's bf16 inner product on prepacked weights ran 340–390 GFLOP/s against
-150–200 in float32 (oneDNN) and 70–85 (MKL), so every BERT / MiniLM GEMM region goes bf16.
+150–200 in float32 (oneDNN) and 70–85 (MKL), so every BERT / MiniLM GEMM region goes bf16;
+at one row oneDNN's bf16 was slower than float32 and opfuse.linear_bf16's GEMV 2.4–3.4x
+faster than MKL's float32 GEMV, so a Llama decode step runs every GEMM as a bf16 GEMV.
 On a CPU without native bf16 (no ``avx512_bf16`` / ``amx_bf16``) oneDNN emulates bf16:
 measured on the Intel Ice Lake machines (one thread) a 128×768×768 GEMM ran 4.6x *slower*
 in bf16, a one-row GEMV over a 32000×512 LM head 1.5x faster (half the weight bytes), so
@@ -100,6 +105,7 @@ class PrecisionChoice:
     error: float
     times_s: dict
     reason: str
+    region: str = "gemm"  # "gemm" (+ "+bias" / "+gelu"), or the fused op's name
 
 
 #: oneDNN eltwise post-ops a bf16 GEMM region absorbs: aten.gelu's ``approximate`` -> the
@@ -210,14 +216,20 @@ def end_to_end(out: list[torch.Tensor], ref: list[torch.Tensor]) -> dict:
     return {"max_error": err, "min_cosine": cos}
 
 
-def _measure(fp32: Callable, bf16: Callable, rows: int) -> dict:
-    """Median seconds of each form; with the caches evicted before each call at ≤
-    :data:`opfuse.gemm.COLD_ROWS` rows (a weight stream, as in a decode step: there bf16's
-    half-size weight is what can gain)."""
+def _measure(fp32: Callable, bf16: Callable, rows: int, warm: dict | None = None) -> dict:
+    """Median seconds of each form; at ≤ :data:`opfuse.gemm.COLD_ROWS` rows (a weight
+    stream, as in a decode step: there bf16's half-size weight is what can gain) with the
+    weight cold and the code warm, as in a decode step: the caches evicted, then the same
+    form run once on a copy of its weight (``warm[name]``, untimed), then the timed call.
+    Evicting alone also evicted the op's code path: a Python-dispatched GEMV measured 430–
+    500 µs cold against 44–65 µs hot and lost to MKL's 200–330, while in a real decode step
+    it made the step 1.6x faster (Zen 5, Llama 8×512)."""
     from .bench.timing import evict_caches, interleaved
+    before = None
+    if rows <= COLD_ROWS:
+        before = {name: (lambda w=(warm or {}).get(name): (evict_caches(), w and w())) for name in ("fp32", "bf16")}
     with torch.no_grad():
-        times = interleaved({"fp32": fp32, "bf16": bf16}, repeat=ROUNDS, warmup=1,
-                            before=evict_caches if rows <= COLD_ROWS else None)
+        times = interleaved({"fp32": fp32, "bf16": bf16}, repeat=ROUNDS, warmup=1, before=before)
     return {k: v["median_s"] for k, v in times.items()}
 
 
@@ -265,7 +277,7 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
             " | cold" if region.m <= COLD_ROWS else "")
         times = timer(node, region.fp32, region.bf16) if timer else cache.get(key)
         if times is None:
-            times = _measure(region.fp32, region.bf16, region.m)
+            times = _measure(region.fp32, region.bf16, region.m, region.warm)
             if busy() is None:
                 cache[key] = times
         faster = times["bf16"] <= times["fp32"] * (1 - MARGIN)
@@ -276,7 +288,7 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
         else:
             why = f"bf16{region.how}: error {err:.1e} ≤ {tol:.0e}, {times['fp32'] / times['bf16']:.2f}x faster"
         choice = PrecisionChoice(node.name, region.m, region.k, region.n, "bf16" if err <= tol and faster else "fp32",
-                                 err, {kk: round(v, 9) for kk, v in times.items()}, why)
+                                 err, {kk: round(v, 9) for kk, v in times.items()}, why, region.kind)
         info["gemms"].append(asdict(choice))
         if choice.precision == "bf16":
             chosen.append((region, err))
@@ -355,6 +367,8 @@ class Region:
     finish: Callable[[], None]
     label: str
     how: str = ""
+    kind: str = "gemm"
+    warm: dict | None = None  # "fp32" / "bf16" -> the form on a copy of its weight (:func:`_measure`)
 
 
 #: opfuse ops with GEMMs inside -> the argument indices of their [N, K] weights; in bf16
@@ -391,25 +405,29 @@ def _sites(gm: fx.GraphModule) -> list[fx.Node]:
     return out
 
 
-def _bf16_weight(gm: fx.GraphModule, converted: dict, w_arg, rows: int, transposed: bool = False):
-    """(prepacked bf16 copy of a GEMM's weight argument, a function giving its ``get_attr``
-    node, made once per source and shared) or None when the argument is not a parameter /
-    folded copy (:func:`_dense_weight`)."""
+def _bf16_weight(gm: fx.GraphModule, converted: dict, w_arg, rows: int, transposed: bool = False,
+                 packed: bool = True):
+    """(bf16 copy of a GEMM's weight argument — oneDNN-prepacked, or with ``packed=False``
+    dense [N, K] for :func:`opfuse.kernels.cpu.linear_bf16`'s GEMV —, a function giving its
+    ``get_attr`` node, made once per source and shared) or None when the argument is not a
+    parameter / folded copy (:func:`_dense_weight`)."""
     from .gemm import pack
     dense = _dense_weight(gm, w_arg, transposed=transposed)
     if dense is None:
         return None
     w32, source = dense
-    made = converted.get(source)
+    made = converted.get((source, packed))
     if made is None:
-        made = converted[source] = [pack(w32.to(torch.bfloat16), rows), None]
+        wb = w32.to(torch.bfloat16).contiguous()
+        made = converted[(source, packed)] = [pack(wb, rows) if packed else wb, None]
 
     def attr() -> fx.Node:
         if made[1] is None:
-            buf = f"opfuse_folded_bf16_{source.replace('.', '_')}"
+            buf = f"opfuse_folded_bf16{'' if packed else 'v'}_{source.replace('.', '_')}"
             gm.register_buffer(buf, made[0])
             note_derived(gm, buf, [source])
-            gm.meta.setdefault("opfuse_packed_rows", {})[buf] = rows  # opfuse.save packs it again
+            if packed:
+                gm.meta.setdefault("opfuse_packed_rows", {})[buf] = rows  # opfuse.save packs it again
             with gm.graph.inserting_before(next(n for n in gm.graph.nodes if n.op != "placeholder")):
                 made[1] = gm.graph.get_attr(buf)
         return made[1]
@@ -448,7 +466,9 @@ def _region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict) -> Re
                       lower, restore, lambda: None,
                       f"bf16 packed weights vs {node.target}({m}x{k}, " + ", ".join(
                           f"{made[i][0].shape[0]}x{made[i][0].shape[1]}" for i in made) + ")",
-                      " GEMMs, float32 epilogue")
+                      " GEMMs, float32 epilogue", fused)
+    if m <= COLD_ROWS:
+        return _gemv_region(gm, node, env, converted, x, m)
     nodes = _tail(node, env)
     b_arg = node.args[2] if len(node.args) > 2 and node.target is not aten.matmul.default else None
     if len(nodes) > 1 and nodes[1].target is aten.add.Tensor:
@@ -477,7 +497,63 @@ def _region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict) -> Re
                   f"bf16 packed {'+' + post + '(' + algorithm + ') ' if post != 'none' else ''}vs {node.target}("
                   f"{m}x{k}, {n_out}x{k}, bias={b is not None})",
                   (" + bias" if b_arg is not None and len(nodes) > 1 and nodes[1].target is aten.add.Tensor else "")
-                  + (" + GELU post-op" if post != "none" else ""))
+                  + (" + GELU post-op" if post != "none" else ""),
+                  "gemm" + ("+bias" if len(nodes) > 1 and nodes[1].target is aten.add.Tensor else "")
+                  + ("+gelu" if post != "none" else ""))
+
+
+def _gemv_region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict, x: torch.Tensor,
+                 m: int) -> Region | None:
+    """A decode-size plain GEMM (m ≤ :data:`opfuse.gemm.COLD_ROWS` rows: a weight stream)
+    and its bias add as one ``opfuse.linear_bf16`` call on a dense bf16 copy of the weight
+    (float32 x and sums, the weight's bytes halved); a GELU after it stays float32."""
+    nodes = [n for n in _tail(node, env) if n.target is not aten.gelu.default]
+    b_arg = node.args[2] if len(node.args) > 2 and node.target is not aten.matmul.default else None
+    if len(nodes) > 1:
+        b_arg = nodes[1].args[1]
+    b = env.get(b_arg) if isinstance(b_arg, fx.Node) else None
+    out = env.get(nodes[-1])
+    made = _bf16_weight(gm, converted, node.args[1], m, transposed=node.target is aten.matmul.default, packed=False)
+    if made is None or not isinstance(out, torch.Tensor) or (b_arg is not None and not isinstance(b, torch.Tensor)):
+        return None
+    wd, attr = made
+    n_out, k = wd.shape
+    vector_bias = b is not None and b.dim() == 1 and b.dtype == torch.float32
+    gemv = torch.ops.opfuse.linear_bf16
+    chain: list[fx.Node] = []
+
+    def lower():
+        last = nodes[-1]
+        with gm.graph.inserting_after(last):
+            y = gm.graph.call_function(gemv.default, (node.args[0], attr(), b_arg if vector_bias else None))
+        chain[:] = [y]
+        if b_arg is not None and not vector_bias:
+            with gm.graph.inserting_after(y):
+                chain.append(gm.graph.call_function(aten.add.Tensor, (y, b_arg)))
+        for c in chain:
+            c.meta["opfuse_precision"] = "bf16"
+        chain[-1].meta["val"] = last.meta.get("val")
+        last.replace_all_uses_with(chain[-1], delete_user_cb=lambda u: u not in chain)
+
+    def finish():
+        for n in reversed(nodes):
+            gm.graph.erase_node(n)
+
+    def bf16(w=wd):
+        y = gemv(x, w, b if vector_bias else None)
+        return y if b is None or vector_bias else y + b
+    w_node = node.args[1]
+    warm = {"fp32": _float32_form(nodes, {**env, w_node: _copy(env.get(w_node))}), "bf16": lambda: bf16(wd.clone())}
+    return Region(node, m, k, n_out, _float32_form(nodes, env), bf16, out, lower,
+                  lambda: _restore(gm, nodes, chain), finish,
+                  f"bf16 GEMV vs {node.target}({m}x{k}, {n_out}x{k}, bias={b is not None}) | code warm",
+                  " GEMV (weight stream in bf16, float32 sums)", "gemv", warm)
+
+
+def _copy(t):
+    """A copy of a recorded weight value (same strides; oneDNN prepacked ones too), for
+    :func:`_measure`'s warm-up call; non-tensors as they are."""
+    return t.clone() if isinstance(t, torch.Tensor) else t
 
 
 def _float32_form(nodes: list[fx.Node], env: dict) -> Callable[[], torch.Tensor]:

@@ -65,6 +65,7 @@ def test_bench_model_rows(fake_measure):
     for row in rows.values():
         if row["status"] == "ok":
             assert row["median_ms"] > 0 and row["cold_s"] is not None and row["max_abs_diff"] < 1e-3
+            assert 0.99999 <= row["pooled_cosine"] <= 1.0 + 1e-12
     assert r["fusion"]["fused_regions"] > 0
     for key in ("cpu", "logical_cpus", "versions", "loadavg_start", "loadavg_end"):
         assert key in r["machine"]
@@ -72,6 +73,23 @@ def test_bench_model_rows(fake_measure):
     floor = r["gemm_floor"]
     assert floor["gemm_flops"] > 0 and floor["floor_ms"] > 0 and set(floor["gemm_rates_flops"]) >= {"aten"}
     assert rows["opfuse"]["vs_gemm_floor"] > 0.5  # nothing runs much below the floor
+
+
+def test_pooled_cosine_is_the_masked_mean_embeddings_cosine():
+    """Mean pooling over the kept positions only (a padded position's garbage does not
+    count), the worst row of the batch, against an explicit float64 computation."""
+    from opfuse.bench.models import pooled_cosine
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(2, 5, 8, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    out = ref + 0.1 * torch.randn(2, 5, 8, generator=g)
+    out[0, 3:] = 1e6  # padding: ignored
+    pooled = [(t[i, : int(mask[i].sum())].double().mean(0)) for t in (out, ref) for i in range(2)]
+    want = min(float(torch.dot(pooled[i], pooled[2 + i]) / (pooled[i].norm() * pooled[2 + i].norm()))
+               for i in range(2))
+    assert pooled_cosine(out, ref, mask) == pytest.approx(want, abs=1e-12)
+    assert pooled_cosine(ref, ref, mask) == pytest.approx(1.0)
+    assert pooled_cosine(-ref[0], ref[0]) == pytest.approx(-1.0)  # 2-D: flattened
 
 
 def test_gemm_flops_count_linears_and_sdpa():

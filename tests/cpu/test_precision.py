@@ -26,7 +26,8 @@ def _plan(name="llama-tiny", batch=2, seq=7):
 def _lowered(gm):
     """The GEMM calls running in bf16: oneDNN bf16 linears and opfuse ops on bf16 weights."""
     return [n for n in gm.graph.nodes if n.meta.get("opfuse_precision") == "bf16"
-            and (n.target is torch.ops.mkldnn._linear_pointwise.default or P._fused_op(n))]
+            and (n.target in (torch.ops.mkldnn._linear_pointwise.default, torch.ops.opfuse.linear_bf16.default)
+                 or P._fused_op(n))]
 
 
 def test_bf16_gemm_within_its_error_bound_of_float64():
@@ -105,7 +106,7 @@ def test_whole_model_over_budget_puts_gemms_back():
 
 def test_optimize_bf16_end_to_end_report_and_no_stale_weights(monkeypatch, tmp_path):
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows: {"fp32": 2e-4, "bf16": 1e-4})
+    monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows, warm=None: {"fp32": 2e-4, "bf16": 1e-4})
     loaded = load("bert-tiny", batch=2, seq=9)
     fused = opfuse.optimize(loaded.model, loaded.args, decide="rho", precision="bf16")
     p = fused.report.precision
@@ -128,7 +129,7 @@ def test_optimize_bf16_end_to_end_report_and_no_stale_weights(monkeypatch, tmp_p
 
 def test_bf16_plan_saves_and_loads(monkeypatch, tmp_path):
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows: {"fp32": 2e-4, "bf16": 1e-4})
+    monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows, warm=None: {"fp32": 2e-4, "bf16": 1e-4})
     loaded = load("llama-tiny", batch=1, seq=12)
     fused = opfuse.optimize(loaded.model, loaded.args, decide="rho", precision="bf16")
     opfuse.save(fused, tmp_path / "p")
@@ -159,7 +160,7 @@ def test_generate_plans_take_the_precision(monkeypatch, tmp_path):
     both report ``precision="bf16"`` (here with the GEMMs measured slower: float32 kept,
     so the tokens are eager's)."""
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows: {"fp32": 1e-4, "bf16": 2e-4})
+    monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows, warm=None: {"fp32": 1e-4, "bf16": 2e-4})
     import transformers as T
     torch.manual_seed(0)
     lm = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -238,7 +239,7 @@ def test_gelu_epilogue_is_a_post_op_and_the_bf16_result_feeds_the_next_gemm(monk
     round trip (the casts between are removed), and the output is within bf16's budget of
     float64."""
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows: {"fp32": 2e-4, "bf16": 1e-4})
+    monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows, warm=None: {"fp32": 2e-4, "bf16": 1e-4})
     torch.manual_seed(0)
     model = _MLP().eval()
     x = torch.randn(4, 16, 64)
@@ -246,6 +247,9 @@ def test_gelu_epilogue_is_a_post_op_and_the_bf16_result_feeds_the_next_gemm(monk
     p = fused.report.precision
     assert fused.report.counts() == {} and [g["precision"] for g in p["gemms"]] == ["bf16", "bf16"]
     assert "GELU post-op" in p["gemms"][0]["reason"] and p["casts_removed"] == 1
+    assert [g["region"] for g in p["gemms"]] == ["gemm+gelu", "gemm"]
+    from opfuse.report.text import precision_line
+    assert "2 of 2 GEMM regions in bf16 (gemm 1, gemm+gelu 1)" in precision_line(fused.report)
     gm = next(iter(fused._plans.values())).gm
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     gemms = [n for n in calls if n.target is torch.ops.mkldnn._linear_pointwise.default]
@@ -274,6 +278,7 @@ def test_fused_ops_take_bf16_weights_and_go_back_whole(monkeypatch):
     weights = [attrgetter(ffn.args[i].target)(gm) for i in P.FUSED_WEIGHTS["ffn"]]
     assert all(w.is_mkldnn and w.dtype == torch.bfloat16 for w in weights)
     assert {g["node"] for g in info["gemms"] if g["precision"] == "bf16"} >= {ffn.name}
+    assert {g["region"] for g in info["gemms"]} >= {"ffn", "linear_add_layernorm"}
     assert P.end_to_end(P._outputs(gm, loaded.args, loaded.kwargs), ref) == pytest.approx(info["end_to_end"])
     assert info["end_to_end"]["min_cosine"] >= P.COSINE_MIN
     _, _, gm2 = _plan("bert-tiny", batch=2, seq=9)
@@ -297,3 +302,82 @@ def test_a_region_whose_bf16_result_is_not_finite_stays_float32():
     info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER, errors={name: float("inf")})
     by = {g["node"]: g for g in info["gemms"]}
     assert by[name]["precision"] == "fp32" and "> tolerance" in by[name]["reason"]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_bf16_kernel_against_float64(rows, with_bias):
+    """opfuse.linear_bf16: up to GEMV_ROWS rows only W is rounded (the GEMV widens its bf16
+    bits exactly; float32 sums), above them oneDNN rounds x and the result to bf16 too."""
+    from opfuse.kernels.cpu.linear_bf16 import GEMV_ROWS
+    from opfuse.kernels import reference
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 300, generator=g), torch.randn(77, 300, generator=g).to(torch.bfloat16)
+    b = torch.randn(77, generator=g) if with_bias else None
+    y = torch.ops.opfuse.linear_bf16(x, w, b)
+    exact = reference.linear_bf16(x, w, b)  # float64 on the bf16 weight's exact values
+    assert y.dtype == torch.float32 and y.shape == (rows, 77)
+    sums = x.double().abs() @ w.double().abs().T
+    if rows <= GEMV_ROWS:
+        assert bool(((y.double() - exact).abs() <= 300 * 2.0**-24 * sums + 1e-6).all())
+    else:
+        assert bool(((y.double() - exact).abs() <= 2.0**-8 * sums * 1.01 + 2.0**-9 * exact.abs() + 1e-5).all())
+    y3 = torch.ops.opfuse.linear_bf16(x.view(1, rows, 300), w, b)  # leading dims kept
+    assert y3.shape == (1, rows, 77) and torch.equal(y3[0], y)
+
+
+def test_linear_bf16_refuses_what_it_does_not_compute():
+    x, w = torch.randn(2, 8), torch.randn(4, 8).to(torch.bfloat16)
+    cases = [((x.to(torch.bfloat16), w, None), "x must be float32"),
+             ((x, w.float(), None), "weight must be a dense contiguous bfloat16"),
+             ((x, torch.randn(8, 4).to(torch.bfloat16).t(), None), "weight must be a dense contiguous bfloat16"),
+             ((torch.randn(2, 7), w, None), "x has 7 features, weight expects 8"),
+             ((x, w, torch.randn(5)), "bias shape"),
+             ((x, w, torch.randn(4).to(torch.bfloat16)), "bias must be float32")]
+    for args, message in cases:
+        with pytest.raises((ValueError, RuntimeError), match=message):
+            torch.ops.opfuse.linear_bf16(*args)
+
+
+def test_decode_size_gemms_become_bf16_gemvs_and_round_trip(monkeypatch, tmp_path):
+    """At ≤ COLD_ROWS rows (a decode step's GEMMs) a region is one opfuse.linear_bf16 on a
+    dense bf16 weight copy (its bias inside): the outputs stay within budget of the float32
+    plan, the weights are never stale, and the plan saves and loads bit for bit."""
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    loaded, fused, gm = _plan("llama-tiny", batch=1, seq=1)
+    ref = P._outputs(gm, loaded.args, loaded.kwargs)
+    info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER)
+    kinds = {g["region"] for g in info["gemms"]}
+    assert kinds == {"gemv"} and all(g["precision"] == "bf16" for g in info["gemms"])
+    gemvs = [n for n in gm.graph.nodes if n.target is torch.ops.opfuse.linear_bf16.default]
+    assert len(gemvs) == len(info["gemms"]) and not [n for n in gm.graph.nodes if n.target in
+                                                    (torch.ops.aten.linear.default, torch.ops.aten.matmul.default)]
+    from operator import attrgetter
+    assert all(attrgetter(n.args[1].target)(gm).dtype == torch.bfloat16 for n in gemvs)
+    e2e = P.end_to_end(P._outputs(gm, loaded.args, loaded.kwargs), ref)
+    assert e2e == pytest.approx(info["end_to_end"]) and e2e["min_cosine"] >= P.COSINE_MIN
+    monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows, warm=None: {"fp32": 2e-4, "bf16": 1e-4})
+    bf = opfuse.optimize(loaded.model, loaded.args, decide="rho", precision="bf16")
+    assert {g["region"] for g in bf.report.precision["gemms"]} == {"gemv"}
+    back = opfuse.load(opfuse.save(bf, tmp_path / "p"))
+    with torch.no_grad():
+        assert torch.equal(back(*loaded.args).last_hidden_state, bf(*loaded.args).last_hidden_state)
+        loaded.model.layers[0].mlp.down_proj.weight.mul_(2.0)  # after optimize: never stale
+        new = loaded.model(*loaded.args).last_hidden_state
+        assert P.end_to_end([bf(*loaded.args).last_hidden_state], [new])["min_cosine"] >= P.COSINE_MIN
+
+
+def test_cold_measurement_warms_the_code_on_a_weight_copy(monkeypatch):
+    """_measure at decode size: before each timed call the caches are evicted, then that
+    form runs once on its weight copy (untimed), so the timed call meets a cold weight and
+    a warm code path."""
+    from opfuse.bench import timing
+    calls = []
+    monkeypatch.setattr(timing, "evict_caches", lambda: calls.append("evict"))
+    P._measure(lambda: calls.append("fp32"), lambda: calls.append("bf16"), 1,
+               {"fp32": lambda: calls.append("warm fp32"), "bf16": lambda: calls.append("warm bf16")})
+    timed = calls[2:]  # after the untimed warm-up round
+    assert timed[:6] == ["evict", "warm fp32", "fp32", "evict", "warm bf16", "bf16"]
+    calls.clear()
+    P._measure(lambda: calls.append("fp32"), lambda: calls.append("bf16"), 64)  # hot: no hooks
+    assert "evict" not in calls

@@ -100,6 +100,7 @@ def bench_model(name: str, against=("inductor", "ort"), threads: int = 1, batch:
         try:
             out = p.fn()
             p.detail["max_abs_diff"] = (out.float() - ref.float()).abs().max().item()
+            p.detail["pooled_cosine"] = pooled_cosine(out, ref, args[1] if len(args) > 1 else None)
         except Exception as exc:  # noqa: BLE001  a peer that builds but cannot run
             p.error, p.fn = f"run failed: {type(exc).__name__}: {str(exc)[:200]}", None
     ok = [p for p in peers if p.fn is not None]
@@ -119,8 +120,8 @@ def bench_model(name: str, against=("inductor", "ort"), threads: int = 1, batch:
             "iqr_ms": 1e3 * t["iqr_s"] if t else None, "n": t["n"] if t else 0,
             "speedup_vs_eager": eager / t["median_s"] if t else None,
             "vs_gemm_floor": t["median_s"] / floor_s if t and floor_s else None,
-            "max_abs_diff": p.detail.get("max_abs_diff"),
-            "notes": {k: v for k, v in p.detail.items() if k not in ("module", "max_abs_diff")},
+            "max_abs_diff": p.detail.get("max_abs_diff"), "pooled_cosine": p.detail.get("pooled_cosine"),
+            "notes": {k: v for k, v in p.detail.items() if k not in ("module", "max_abs_diff", "pooled_cosine")},
         })
     result["peers"] = rows
     fused = next((p.detail.get("module") for p in peers if p.name == "opfuse"), None)
@@ -151,11 +152,12 @@ def peers_table(result: dict):
         table.caption = (f"GEMM floor {floor['floor_ms']:.2f} ms = {floor['gemm_flops'] / 1e9:.2f} GFLOP at the best "
                          "measured float32 GEMM rate (" + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in
                                                                      floor["gemm_rates_flops"].items()) + " GFLOP/s)")
-    for col in ("peer", "status", "cold s", "median ms", "IQR ms", "vs eager", "× floor", "max |Δ| vs eager", "notes"):
+    for col in ("peer", "status", "cold s", "median ms", "IQR ms", "vs eager", "× floor", "max |Δ| vs eager",
+                "min cos (pooled)", "notes"):
         table.add_column(col, justify="left" if col in ("peer", "status", "notes") else "right")
     for r in result["peers"]:
         if r["status"] != "ok":
-            table.add_row(r["peer"], "[red]failed[/]", "", "", "", "", "", "", r["error"] or "")
+            table.add_row(r["peer"], "[red]failed[/]", "", "", "", "", "", "", "", r["error"] or "")
             continue
         notes = r["notes"]
         note = " ".join(f"{k}:{v}" for k, v in notes.get("fused", {}).items()) if isinstance(notes.get("fused"), dict) else ""
@@ -165,8 +167,24 @@ def peers_table(result: dict):
             note = f"{notes['export']} {note}".strip()
         table.add_row(r["peer"], "ok", f"{r['cold_s']:.1f}", f"{r['median_ms']:.2f}", f"{r['iqr_ms']:.2f}",
                       f"{r['speedup_vs_eager']:.2f}x", f"{r['vs_gemm_floor']:.2f}" if r.get("vs_gemm_floor") else "",
-                      f"{r['max_abs_diff']:.1e}", note)
+                      f"{r['max_abs_diff']:.1e}",
+                      f"{r['pooled_cosine']:.6f}" if r.get("pooled_cosine") is not None else "", note)
     return table
+
+
+def pooled_cosine(out: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    """Smallest cosine, over the batch, between a peer's and eager's mean-pooled outputs:
+    [B, S, H] hidden states averaged over the positions ``mask`` [B, S] keeps (all when
+    None), as sentence-transformers pools an embedding; other shapes: the cosine of the
+    flattened outputs. Computed in float64."""
+    a, b = out.detach().double(), ref.detach().double()
+    if a.dim() == 3 and a.shape == b.shape:
+        keep = torch.ones(a.shape[:2], dtype=torch.float64) if mask is None or tuple(mask.shape) != a.shape[:2] \
+            else mask.double()
+        a, b = ((t * keep[..., None]).sum(1) / keep.sum(1, keepdim=True).clamp_min(1) for t in (a, b))
+    else:
+        a, b = a.reshape(1, -1), b.reshape(1, -1)
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=-1).min())
 
 
 def csv_rows(result: dict) -> list[dict]:

@@ -21,12 +21,12 @@ def median_s(fn: Callable[[], object], repeat: int = 20, warmup: int = 2) -> flo
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeat: int = 20, warmup: int = 2,
-                budget_s: float | None = None, before: Callable[[], object] | None = None) -> dict[str, dict]:
+                budget_s: float | None = None, before: Callable[[], object] | dict | None = None) -> dict[str, dict]:
     """Time every ``fns[name]()`` ``repeat`` times in rounds (one call each per round).
 
     Returns ``{name: {"median_s", "min_s", "iqr_s", "n"}}``. ``budget_s`` stops early (after
     at least 3 rounds) when the rounds so far took longer than that. ``before`` (untimed)
-    runs before every timed call (e.g. :func:`evict_caches`).
+    runs before every timed call (e.g. :func:`evict_caches`); a dict gives each name its own.
     """
     for _ in range(warmup):
         for fn in fns.values():
@@ -35,8 +35,9 @@ def interleaved(fns: dict[str, Callable[[], object]], repeat: int = 20, warmup: 
     start = time.perf_counter()
     for i in range(repeat):
         for name, fn in fns.items():
-            if before is not None:
-                before()
+            hook = before.get(name) if isinstance(before, dict) else before
+            if hook is not None:
+                hook()
             t = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - t)

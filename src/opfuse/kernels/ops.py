@@ -9,6 +9,7 @@ op and imports the CPU kernels (which register themselves).
     opfuse::layernorm_gelu(Tensor x, Tensor weight, Tensor? bias, float eps, str approximate) -> Tensor
     opfuse::linear_bias_gelu(Tensor x, Tensor weight, Tensor bias, str approximate) -> Tensor
     opfuse::linear_residual(Tensor x, Tensor weight, Tensor? bias, Tensor residual) -> Tensor
+    opfuse::linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor
     opfuse::linear_add_layernorm(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor? ln_bias, float eps) -> Tensor
     opfuse::linear_add_layernorm_sum(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor? ln_bias, float eps) -> (Tensor, Tensor)
     opfuse::ffn(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2, str approximate, int block_rows) -> Tensor
@@ -53,6 +54,7 @@ SCHEMAS: dict[str, str] = {
     "layernorm_gelu": "(Tensor x, Tensor weight, Tensor? bias, float eps, str approximate) -> Tensor",
     "linear_bias_gelu": "(Tensor x, Tensor weight, Tensor bias, str approximate) -> Tensor",
     "linear_residual": "(Tensor x, Tensor weight, Tensor? bias, Tensor residual) -> Tensor",
+    "linear_bf16": "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
     "linear_add_layernorm": "(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, "
                             "Tensor? ln_bias, float eps) -> Tensor",
     "linear_add_layernorm_sum": "(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, "
@@ -134,6 +136,19 @@ def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Te
 
 @linear_residual.register_fake
 def _(x, weight, bias, residual):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# --- linear_bf16 (precision="bf16", decode-size GEMMs) --------------------------------
+
+
+@_op("linear_bf16")
+def linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return lookup("linear_bf16", x.device.type)(x, weight, bias)
+
+
+@linear_bf16.register_fake
+def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -287,6 +302,8 @@ def warm_up() -> None:
         lookup("linear_bias_gelu", "cpu")(x, r(4, 8), r(4), approximate)
         lookup("ffn", "cpu")(x, r(16, 8), r(16), r(8, 16), r(8), approximate, 1)
     lookup("linear_residual", "cpu")(x, r(4, 8), r(4), r(2, 4))
+    for rows in (1, 9):  # the GEMV and the oneDNN path
+        lookup("linear_bf16", "cpu")(r(rows, 8), r(4, 8).to(torch.bfloat16), r(4))
     for emit_sum in (True, False):
         lookup("linear_add_layernorm", "cpu")(x, r(4, 8), r(4), r(2, 4), r(4), r(4), 1e-5, emit_sum)
     lookup("attention", "cpu")(r(1, 2, 3, 4), r(1, 1, 5, 4), r(1, 1, 5, 4), None, 0.5, False)

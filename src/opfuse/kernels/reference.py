@@ -58,6 +58,11 @@ def linear(x, weight, bias) -> torch.Tensor:
     return out if bias is None else out + _d(bias)
 
 
+def linear_bf16(x, weight, bias) -> torch.Tensor:
+    """The float64 GEMM on the bf16 weight's exact values (only the weight is rounded)."""
+    return linear(x, weight, bias)
+
+
 def linear_bias_gelu(x, weight, bias, approximate: str) -> torch.Tensor:
     return gelu(linear(x, weight, bias), approximate)
 

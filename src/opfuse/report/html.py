@@ -400,18 +400,20 @@ def near_miss_table(report) -> str:
 
 
 def precision_card(report) -> str:
-    """``precision=`` decisions: one row per plain GEMM (precision, measured error, times,
-    why) under the summary line; empty for a float32 plan."""
+    """``precision=`` decisions: one row per GEMM region (its kind, precision, measured
+    error, times, why) under the summary line; empty for a float32 plan."""
     p = getattr(report, "precision", None)
     if not p:
         return ""
     from .text import precision_line
     rows = "".join(
-        f'<tr><td>{esc(g["node"])}</td><td>{g["m"]}×{g["k"]}×{g["n"]}</td><td>{esc(g["precision"])}</td>'
+        f'<tr><td>{esc(g["node"])}</td><td>{esc(g.get("region", "gemm"))}</td><td>{g["m"]}×{g["k"]}×{g["n"]}</td>'
+        f'<td>{esc(g["precision"])}</td>'
         f'<td>{g["error"]:.1e}</td><td>{esc("  ".join(f"{k} {human_time(v)}" for k, v in g["times_s"].items()))}</td>'
         f'<td class="reason">{esc(g["reason"])}</td></tr>' for g in p.get("gemms", []))
     return (f'<div class="card"><h2>Precision</h2><p>{esc(precision_line(report))}</p>'
-            '<table class="sortable" id="precision"><thead><tr><th>node</th><th>M×K×N</th><th>precision</th>'
+            '<table class="sortable" id="precision"><thead><tr><th>node</th><th>region</th><th>M×K×N</th>'
+            '<th>precision</th>'
             f'<th>error vs float32</th><th>median</th><th>why</th></tr></thead><tbody>{rows}</tbody></table></div>')
 
 

@@ -80,8 +80,9 @@ def gemm_table(report) -> Table:
 
 
 def precision_line(report) -> str:
-    """One line on ``precision=``: how many GEMMs run in bf16, the budget, the end-to-end
-    error against the float32 plan, GEMMs put back, and the CPU's bf16 support."""
+    """One line on ``precision=``: how many GEMM regions run in bf16 (by kind: plain GEMM,
+    + bias / GELU, fused op), the budget, the end-to-end error against the float32 plan,
+    regions put back, and the CPU's bf16 support."""
     p = report.precision
     gemms = p.get("gemms", [])
     low = sum(g["precision"] == "bf16" for g in gemms)
@@ -89,8 +90,14 @@ def precision_line(report) -> str:
     check = (f"; whole model vs float32: max error {e2e['max_error']:.1e}, min cosine {e2e['min_cosine']:.6f}"
              if e2e else "")
     back = f"; {p['reverted']} put back to float32 by the whole-model check" if p.get("reverted") else ""
-    return (f"{p['requested']} requested (tolerance {p['tolerance']:.0e} per GEMM): {low} of {len(gemms)} plain "
-            f"GEMMs in bf16{check}{back} — {p.get('note', '')}")
+    kinds: dict = {}
+    for g in gemms:
+        if g["precision"] == "bf16":
+            kind = g.get("region", "gemm")
+            kinds[kind] = kinds.get(kind, 0) + 1
+    which = f" ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})" if kinds else ""
+    return (f"{p['requested']} requested (tolerance {p['tolerance']:.0e} per region): {low} of {len(gemms)} GEMM "
+            f"regions in bf16{which}{check}{back} — {p.get('note', '')}")
 
 
 def totals_text(report) -> Text:

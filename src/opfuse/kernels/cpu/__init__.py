@@ -8,6 +8,7 @@ from opfuse.kernels.cpu import (  # noqa: F401  (imported for their @register si
     geglu,
     layernorm_gelu,
     linear_add_layernorm,
+    linear_bf16,
     linear_bias_gelu,
     linear_residual,
     rmsnorm,
