@@ -313,6 +313,9 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
             gm.recompile()
             check = end_to_end(_outputs(gm, args, kwargs), ref)
         info["end_to_end"] = check
+    g = info["gemms"]  # the regions' own medians: what the plan's GEMM regions take, before -> after
+    info["regions_time_s"] = {"fp32": sum(r["times_s"]["fp32"] for r in g),
+                              "planned": sum(r["times_s"][r["precision"]] for r in g)}
     for region, _ in chosen:  # the float32 forms, kept unused while the budget was checked
         region.finish()
     info["casts_removed"] = elide_casts(gm) if chosen else 0
@@ -444,6 +447,11 @@ def _region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict) -> Re
     m = as_int(prod(x.shape[:-1]))
     values = [env.get(a, a) if isinstance(a, fx.Node) else a for a in node.args]
     fused = _fused_op(node)
+    if fused == "linear_bias_gelu" and m > COLD_ROWS and node.args[3] in GELU_POST_OPS:
+        # its bf16 form is oneDNN's GEMM with the GELU post-op (as the unfused GEMM + GELU
+        # region): the bf16 result then feeds the next GEMM without a float32 round trip
+        return _gemm_region(gm, node, env, converted, x, m, [node], node.args[2], "gelu",
+                            GELU_POST_OPS[node.args[3]], "linear_bias_gelu as gemm+gelu")
     if fused is not None:
         if any(isinstance(a, fx.Node) and not isinstance(v, torch.Tensor) for a, v in zip(node.args, values)) \
                 or not isinstance(env.get(node), (torch.Tensor, tuple, list)):
@@ -473,6 +481,19 @@ def _region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict) -> Re
     b_arg = node.args[2] if len(node.args) > 2 and node.target is not aten.matmul.default else None
     if len(nodes) > 1 and nodes[1].target is aten.add.Tensor:
         b_arg = nodes[1].args[1]
+    post, algorithm = "none", ""
+    if nodes[-1].target is aten.gelu.default:
+        approximate = nodes[-1].kwargs.get("approximate", nodes[-1].args[1] if len(nodes[-1].args) > 1 else "none")
+        post, algorithm = "gelu", GELU_POST_OPS[approximate]
+    kind = "gemm" + ("+bias" if len(nodes) > 1 and nodes[1].target is aten.add.Tensor else "") + \
+        ("+gelu" if post != "none" else "")
+    return _gemm_region(gm, node, env, converted, x, m, nodes, b_arg, post, algorithm, kind)
+
+
+def _gemm_region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict, x: torch.Tensor, m: int,
+                 nodes: list[fx.Node], b_arg, post: str, algorithm: str, kind: str) -> Region | None:
+    """The GEMM region ``nodes`` (its first node's x and weight; bias ``b_arg``; ``post``
+    GELU or "none") as one oneDNN bf16 inner product on a prepacked bf16 weight."""
     b = env.get(b_arg) if isinstance(b_arg, fx.Node) else None
     out = env.get(nodes[-1])
     made = _bf16_weight(gm, converted, node.args[1], m, transposed=node.target is aten.matmul.default)
@@ -480,10 +501,6 @@ def _region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict) -> Re
         return None
     wb, attr = made
     n_out, k = wb.shape
-    post, algorithm = "none", ""
-    if nodes[-1].target is aten.gelu.default:
-        approximate = nodes[-1].kwargs.get("approximate", nodes[-1].args[1] if len(nodes[-1].args) > 1 else "none")
-        post, algorithm = "gelu", GELU_POST_OPS[approximate]
     chain: list[fx.Node] = []
 
     def lower():
@@ -496,10 +513,7 @@ def _region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict) -> Re
                   lower, lambda: _restore(gm, nodes, chain), finish,
                   f"bf16 packed {'+' + post + '(' + algorithm + ') ' if post != 'none' else ''}vs {node.target}("
                   f"{m}x{k}, {n_out}x{k}, bias={b is not None})",
-                  (" + bias" if b_arg is not None and len(nodes) > 1 and nodes[1].target is aten.add.Tensor else "")
-                  + (" + GELU post-op" if post != "none" else ""),
-                  "gemm" + ("+bias" if len(nodes) > 1 and nodes[1].target is aten.add.Tensor else "")
-                  + ("+gelu" if post != "none" else ""))
+                  (" + bias" if "+bias" in kind else "") + (" + GELU post-op" if post != "none" else ""), kind)
 
 
 def _gemv_region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict, x: torch.Tensor,

@@ -96,6 +96,10 @@ def precision_line(report) -> str:
             kind = g.get("region", "gemm")
             kinds[kind] = kinds.get(kind, 0) + 1
     which = f" ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})" if kinds else ""
+    t = p.get("regions_time_s")
+    if t and t.get("planned"):
+        which += (f"; the regions' measured time {t['fp32'] * 1e3:.2f} → {t['planned'] * 1e3:.2f} ms "
+                  f"({t['fp32'] / t['planned']:.2f}x)")
     return (f"{p['requested']} requested (tolerance {p['tolerance']:.0e} per region): {low} of {len(gemms)} GEMM "
             f"regions in bf16{which}{check}{back} — {p.get('note', '')}")
 
