@@ -28,6 +28,9 @@ so no single choice wins everywhere. Each backend is a row of :data:`BACKENDS`:
   opfuse ops with a GEMM inside (linear_add_layernorm(_sum), linear_residual, bias_gelu
   in both GELU forms, swiglu, geglu) keep their own epilogue kernels and run their GEMM on
   oneDNN (:mod:`opfuse.kernels.cpu._gemm` dispatches on the weight's layout).
+* ``gemv`` — at ≤ :data:`COLD_ROWS` rows, ``aten.linear`` becomes ``opfuse.linear_gemv``
+  (:mod:`opfuse.kernels.cpu.linear_gemv`: one float32 dot product per row and output on the
+  weight as it is, no copy); above that many rows it runs ATen's GEMM.
 
 :func:`choose` times every available backend on the real (M, K, N) with random data,
 interleaved round-robin (the machines are shared and noisy), takes medians and keeps
@@ -79,6 +82,17 @@ def _onednn_bias_gelu(x, w, b, node_args):  # oneDNN GEMM with its eltwise GELU(
 
 def _onednn_residual(x, w, b, node_args):  # oneDNN GEMM with its binary-add post-op
     return torch.ops.mkldnn._linear_pointwise.binary(x, node_args[3], w, b, "add")
+
+
+def _gemv(x, w, b, node_args):  # opfuse's weight-stream kernel (few rows; ATen's GEMM above)
+    return torch.ops.opfuse.linear_gemv(x, w, b)
+
+
+def _gemv_usable(kind, args) -> bool:
+    x, w = args[0], args[1]
+    b = args[2] if len(args) > 2 else None
+    return (kind == "linear" and isinstance(x, torch.Tensor) and as_int(prod(x.shape[:-1])) <= COLD_ROWS
+            and (b is None or (isinstance(b, torch.Tensor) and b.dim() == 1)))
 
 
 def pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
@@ -170,6 +184,7 @@ BACKENDS = [
                 usable=_onednn_usable),
     GemmBackend("packed", lambda: torch.backends.mkldnn.is_available(), packed=True, every_site=True,
                 replace={"linear": _onednn_linear}, usable=_packed_usable),
+    GemmBackend("gemv", lambda: True, replace={"linear": _gemv}, usable=_gemv_usable),
 ]
 _ONEDNN_OPS = {"linear": lambda: torch.ops.mkldnn._linear_pointwise.default,
                "linear_bias_gelu": lambda: torch.ops.mkldnn._linear_pointwise.default,
@@ -211,8 +226,11 @@ def _value(gm: fx.GraphModule, value, concrete: bool):
 def measure(site: Site, args: list, backends: list[GemmBackend]) -> dict[str, float]:
     """Median seconds of the site's op for each backend on ``args`` (concrete values), timed
     round-robin (:func:`opfuse.bench.timing.interleaved`, ``ROUNDS`` rounds) after one
-    untimed call each (``WARMUP``: oneDNN creates its primitive on the first call), with
-    the caches evicted before each call at ≤ :data:`COLD_ROWS` rows. A
+    untimed call each (``WARMUP``: oneDNN creates its primitive on the first call); at ≤
+    :data:`COLD_ROWS` rows each timed call meets a cold weight and a warm code path, as in a
+    decode step: the caches evicted, then the same backend run once on a copy of the
+    weight (evicting alone also evicted the code: Python-dispatched kernels measured 7–10x
+    their warm time and lost where they won in the decode step). A
     backend that raises there, or whose result differs from aten's beyond float32 round-off
     (1e-4 relative), is not a candidate (time inf)."""
     from .bench.timing import evict_caches, interleaved
@@ -220,12 +238,15 @@ def measure(site: Site, args: list, backends: list[GemmBackend]) -> dict[str, fl
     b = args[site.b] if site.b is not None and len(args) > site.b else None
     wt = w.t().contiguous().t()
     rows = prod(x.shape[:-1])
-    cold = evict_caches if rows <= COLD_ROWS else None
-    calls = {}
+    calls, warm = {}, {}
     for be in backends:
         run = be.replace.get(site.kind) or site.run
         weight = wt if be.transposed else pack(w, rows) if be.packed else w
         calls[be.name] = lambda run=run, weight=weight: run(x, weight, b, args)
+        if rows <= COLD_ROWS:  # the same call on a copy of its weight: the code warm, this weight cold
+            copy = w.t().contiguous().t() if be.transposed else pack(w.clone(), rows) if be.packed else w.clone()
+            warm[be.name] = lambda run=run, weight=copy: (evict_caches(), run(x, weight, b, args))
+    cold = warm or None
     results, failed = {}, set()
     with torch.no_grad():
         for name, call in calls.items():
@@ -472,6 +493,9 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None, also_at: lis
                 _replace_call(gm, node, _ONEDNN_OPS["linear"](), (x, attr, b, "none", [], ""))
             else:
                 node.replace_input_with(w, attr)
+        elif name == "gemv":
+            b = node.args[site.b] if len(node.args) > site.b else None
+            _replace_call(gm, node, torch.ops.opfuse.linear_gemv.default, (x, w, b))
         elif name == "onednn":
             b = node.args[site.b] if site.b is not None and len(node.args) > site.b else None
             post = {"linear": ("none", [], ""), "linear_bias_gelu": ("gelu", [], "none")}

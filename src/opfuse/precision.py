@@ -392,13 +392,13 @@ def _fused_op(node: fx.Node) -> str | None:
 
 def _sites(gm: fx.GraphModule) -> list[fx.Node]:
     """The GEMM nodes ``precision`` decides on: plain GEMMs (``aten.linear``, oneDNN linear
-    without post-op, :func:`opfuse.gemm.direct_wt_matmuls`' ``matmul``) and the opfuse ops
-    of :data:`FUSED_WEIGHTS`."""
+    without post-op, :func:`opfuse.gemm.direct_wt_matmuls`' ``matmul``, ``opfuse.linear_gemv``)
+    and the opfuse ops of :data:`FUSED_WEIGHTS`."""
     out = []
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.kwargs:
             continue
-        if n.target is aten.linear.default or (
+        if n.target in (aten.linear.default, torch.ops.opfuse.linear_gemv.default) or (
                 n.target is torch.ops.mkldnn._linear_pointwise.default and len(n.args) > 3 and n.args[3] == "none"):
             out.append(n)
         elif n.target is aten.matmul.default and is_wt_copy(n.args[1]):

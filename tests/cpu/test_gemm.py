@@ -76,7 +76,7 @@ def test_auto_choice_follows_timings_with_margin():
     args = [torch.randn(64, 32), torch.randn(16, 32), torch.randn(16)]
     cache = {}
     name, times, _ = gemm.choose(site, args, gemm.BACKENDS, cache)  # measures once
-    assert set(times) == {"aten", "wt", "onednn", "packed"} and name in times
+    assert set(times) == {"aten", "wt", "onednn", "packed", "gemv"} and name in times
     (key,) = cache
     assert "linear(64x32:float32, 16x32:float32, 16:float32)" in key
     cache[key] = {"aten": 1.0, "wt": 0.90, "onednn": 0.99, "packed": 0.95}
@@ -228,3 +228,61 @@ def test_dynamic_plan_measures_the_smallest_size_too():
         with torch.no_grad():
             torch.testing.assert_close(fused(ids, mask).last_hidden_state, loaded.model(ids, mask).last_hidden_state,
                                        rtol=1e-5, atol=1e-5)
+
+
+def test_forced_gemv_runs_decode_size_linears_on_the_weight_as_it_is(tmp_path):
+    """gemm="gemv": linears of ≤ COLD_ROWS rows become opfuse.linear_gemv on the model's own
+    weight (no copy), equal to float64 eager within float32 round-off; a 21-row linear is
+    not a GEMV site; the plan saves and loads bit for bit."""
+    model = _MLP().eval()
+    x = torch.randn(1, 3, 48)
+    fused = opfuse.optimize(model, (x,), gemm="gemv")
+    targets, gm = _targets(fused)
+    assert targets.count(torch.ops.opfuse.linear_gemv.default) == 2 and torch.ops.aten.linear.default not in targets
+    assert not [b for b, _ in gm.named_buffers() if b.startswith("opfuse_folded_")]
+    assert [(c["m"], c["backend"], c["extra_bytes"]) for c in fused.report.gemm] == [(3, "gemv", 0), (3, "gemv", 0)]
+    with torch.no_grad():
+        ref = model.double()(x.double()).float()
+        model.float()
+        out = fused(x)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        back = opfuse.load(opfuse.save(fused, tmp_path / "p"))
+        assert torch.equal(back(x), out)
+        model.fc1.weight.mul_(-1.0)  # the GEMV reads the parameter itself: never stale
+        torch.testing.assert_close(fused(x), model(x), rtol=1e-5, atol=1e-5)
+    big = opfuse.optimize(model, (torch.randn(3, 7, 48),), gemm="gemv")
+    assert big.report.gemm == [] and torch.ops.opfuse.linear_gemv.default not in _targets(big)[0]
+
+
+@pytest.mark.parametrize("op, dtype", [("linear_gemv", torch.float32), ("linear_bf16", torch.bfloat16)])
+@pytest.mark.parametrize("rows", [1, 5, 8, 9])
+def test_weight_stream_kernels_against_float64(op, dtype, rows):
+    from opfuse.kernels import reference
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 200, generator=g), torch.randn(33, 200, generator=g).to(dtype), torch.randn(33, generator=g)
+    y = getattr(torch.ops.opfuse, op)(x, w, b)
+    exact = getattr(reference, op)(x, w, b)
+    sums = x.double().abs() @ w.double().abs().T
+    tol = 200 * 2.0**-24 * sums + 1e-6 if rows <= 8 or dtype == torch.float32 else \
+        2.0**-8 * sums * 1.01 + 2.0**-9 * exact.abs() + 1e-5
+    assert y.dtype == torch.float32 and bool(((y.double() - exact).abs() <= tol).all())
+    bad = torch.randn(33, 200).to(torch.float16)
+    with pytest.raises((ValueError, RuntimeError), match="weight must be a dense contiguous"):
+        getattr(torch.ops.opfuse, op)(x, bad, b)
+
+
+def test_decode_size_measurement_warms_the_code_on_a_weight_copy(monkeypatch):
+    """At ≤ COLD_ROWS rows every timed call is preceded by an eviction and one call of the
+    same backend on a weight copy (cold weight, warm code); larger GEMMs are timed hot."""
+    from opfuse.bench import timing
+    evictions = []
+    monkeypatch.setattr(timing, "evict_caches", lambda: evictions.append(1))
+    site = gemm.sites()[torch.ops.aten.linear.default]
+    backends = [be for be in gemm.BACKENDS if be.name in ("aten", "wt", "gemv")]
+    x, w, b = torch.randn(1, 64), torch.randn(32, 64), torch.randn(32)
+    times = gemm.measure(site, [x, w, b], backends)
+    assert set(times) == {"aten", "wt", "gemv"} and all(0 < t < 1 for t in times.values())
+    assert len(evictions) == gemm.ROUNDS * 3
+    evictions.clear()
+    gemm.measure(site, [torch.randn(64, 64), w, b], [be for be in backends if be.name != "gemv"])
+    assert evictions == []

@@ -63,6 +63,10 @@ def linear_bf16(x, weight, bias) -> torch.Tensor:
     return linear(x, weight, bias)
 
 
+def linear_gemv(x, weight, bias) -> torch.Tensor:
+    return linear(x, weight, bias)
+
+
 def linear_bias_gelu(x, weight, bias, approximate: str) -> torch.Tensor:
     return gelu(linear(x, weight, bias), approximate)
 
