@@ -25,9 +25,9 @@ from numba import njit
 from opfuse.kernels.checks import check_linear_bf16
 from opfuse.kernels.cpu import _math
 from opfuse.kernels.cpu._launch import f32
+from opfuse.kernels.cpu.linear_gemv import GEMV_ROWS, run_gemv
 from opfuse.kernels.registry import register
 
-GEMV_ROWS = 8  # rows up to which the weight stream (GEMV) path runs; above, oneDNN's GEMM
 _Z = np.float32(0.0)
 _SHIFT = np.uint32(16)
 
@@ -59,8 +59,5 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if m > GEMV_ROWS:
         y = torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16), weight.detach(), None, "none", [], "").float()
         return (y if bias is None else y + bias.detach()).view(*x.shape[:-1], n)
-    y = torch.empty((m, n), dtype=torch.float32)
-    b = np.zeros(n, dtype=np.float32) if bias is None else f32(bias).numpy()
     w = weight.detach().view(torch.int16).numpy().view(np.uint16)
-    _gemv_bf16_kernel(x2.numpy(), w, b, y.numpy())
-    return y.view(*x.shape[:-1], n)
+    return run_gemv(_gemv_bf16_kernel, x2, w, bias, n).view(*x.shape[:-1], n)

@@ -53,7 +53,14 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if m > GEMV_ROWS:
         y = torch.mm(x2, w.t()) if bias is None else torch.addmm(bias.detach(), x2, w.t())
         return y.view(*x.shape[:-1], n)
-    y = torch.empty((m, n), dtype=torch.float32)
+    return run_gemv(_gemv_kernel, x2, w.numpy(), bias, n).view(*x.shape[:-1], n)
+
+
+def run_gemv(kernel, x2: torch.Tensor, w: np.ndarray, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``kernel(x, w, b, y)`` (a weight-stream kernel of this file or of
+    :mod:`opfuse.kernels.cpu.linear_bf16`) on x2 [M, K] float32 and the weight's numpy view,
+    bias [N] (zeros when None); returns y [M, N] float32."""
+    y = torch.empty((x2.shape[0], n), dtype=torch.float32)
     b = np.zeros(n, dtype=np.float32) if bias is None else f32(bias).numpy()
-    _gemv_kernel(x2.numpy(), w.numpy(), b, y.numpy())
-    return y.view(*x.shape[:-1], n)
+    kernel(x2.numpy(), w, b, y.numpy())
+    return y
