@@ -137,10 +137,12 @@ def epilogue_of(node: fx.Node) -> fx.Node | None:
     """The ``aten.gelu`` (erf or tanh) that is the only user of ``node`` (the GEMM or its
     bias add; run as oneDNN's GELU post-op in the bf16 region), or None."""
     g = _sole_user(node, aten.gelu.default)
-    if g is None:
-        return None
-    approximate = g.kwargs.get("approximate", g.args[1] if len(g.args) > 1 else "none")
-    return g if approximate in GELU_POST_OPS else None
+    return g if g is not None and _approximate(g) in GELU_POST_OPS else None
+
+
+def _approximate(gelu: fx.Node) -> str:
+    """An ``aten.gelu`` node's ``approximate`` ("none" = erf, or "tanh")."""
+    return gelu.kwargs.get("approximate", gelu.args[1] if len(gelu.args) > 1 else "none")
 
 
 def bias_add_of(node: fx.Node, env: dict) -> fx.Node | None:
@@ -319,16 +321,12 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
     for region, _ in chosen:  # the float32 forms, kept unused while the budget was checked
         region.finish()
     info["casts_removed"] = elide_casts(gm) if chosen else 0
-    gm.graph.eliminate_dead_code(is_impure_node=_impure)
-    from .rewrite import drop_unused_parameters
+    from .rewrite import drop_unused_parameters, is_impure
+    gm.graph.eliminate_dead_code(is_impure_node=is_impure)  # keeps a dynamic plan's assertions
     drop_unused_parameters(gm)
     gm.graph.lint()
     gm.recompile()
     return info
-
-
-def _impure(n: fx.Node) -> bool:
-    return n.op != "call_function" or (isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable)
 
 
 def _relative_error(y, ref) -> float:
@@ -483,8 +481,7 @@ def _region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict) -> Re
         b_arg = nodes[1].args[1]
     post, algorithm = "none", ""
     if nodes[-1].target is aten.gelu.default:
-        approximate = nodes[-1].kwargs.get("approximate", nodes[-1].args[1] if len(nodes[-1].args) > 1 else "none")
-        post, algorithm = "gelu", GELU_POST_OPS[approximate]
+        post, algorithm = "gelu", GELU_POST_OPS[_approximate(nodes[-1])]
     kind = "gemm" + ("+bias" if len(nodes) > 1 and nodes[1].target is aten.add.Tensor else "") + \
         ("+gelu" if post != "none" else "")
     return _gemm_region(gm, node, env, converted, x, m, nodes, b_arg, post, algorithm, kind)

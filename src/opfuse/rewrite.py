@@ -260,6 +260,14 @@ def _unsafe_to_share(graph: fx.Graph) -> set:
     return {n for n in graph.nodes if root(n) in unsafe}
 
 
+def is_impure(n: fx.Node) -> bool:
+    """What dead-code elimination after a rewrite keeps even without users: anything but a
+    call, a call without a schema (Python functions, guards), an op that writes, and the
+    run-time assertions of a dynamic plan (``aten._assert_scalar`` and kin)."""
+    return (n.op != "call_function" or getattr(n.target, "_schema", None) is None or n.target._schema.is_mutable
+            or "assert" in str(n.target))
+
+
 def dedupe_pure_ops(gm: fx.GraphModule) -> int:
     """Common-subexpression elimination after the rewrite: a second call of the same pure op
     on the same arguments reads the first call's result (a decode step recomputes, per layer,
@@ -366,9 +374,7 @@ def rewrite(gm: fx.GraphModule, cands: list) -> None:
             cand.decision, cand.reason = "rejected", str(exc)
     relax_views(gm)
     fold_parameter_concats(gm)
-    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op != "call_function" or
-                                 getattr(n.target, "_schema", None) is None or n.target._schema.is_mutable
-                                 or "assert" in str(n.target))
+    gm.graph.eliminate_dead_code(is_impure_node=is_impure)
     drop_unused_parameters(gm)
     gm.graph.lint()
     gm.recompile()
