@@ -515,8 +515,10 @@ def optimize(model: torch.nn.Module, example_inputs: tuple, theta: float = 0.3, 
         example_kwargs: keyword example inputs (e.g. ``attention_mask``).
         gemm: GEMM backend mode (:func:`opfuse.gemm.apply_gemm_choices`): ``"auto"``
             (default, or ``OPFUSE_GEMM``) measures each float32 CPU GEMM shape once and
-            keeps the fastest of eager's layout, a pre-transposed weight and oneDNN;
-            ``"aten"`` keeps eager's GEMMs.
+            keeps the fastest of eager's layout, a pre-transposed weight, oneDNN (on the
+            weight as it is or prepacked) and, at ≤ 8 rows, opfuse's GEMV; ``"lean"`` the
+            same among the backends that keep no weight copy (what ``generate``'s prefill
+            graph uses); ``"aten"`` keeps eager's GEMMs; a backend name forces it.
         decide: ``"time"`` (default, or ``OPFUSE_DECIDE``): a region that passes ρ ≥ θ is
             fused only if its fused replacement is measured faster than its unfused ops on
             the example inputs (CPU; cached per shape, :mod:`opfuse.timegate`); ``"rho"``:

@@ -157,6 +157,11 @@ class GemmBackend:
     def serves(self, kind: str) -> bool:
         return not self.replace or self.every_site or kind in self.replace
 
+    @property
+    def copies(self) -> bool:
+        """Whether the plan keeps a copy of the weight (pre-transposed or prepacked)."""
+        return self.transposed or self.packed
+
 
 def _onednn_usable(kind, args) -> bool:
     b = args[2] if len(args) > 2 else None
@@ -318,10 +323,14 @@ def combine(measured: list[tuple[str, dict]]) -> tuple[str, dict, str]:
                            f"without being {SIZE_CAP:.0%} slower at one")
 
 
+#: Modes that measure: every backend, or (``"lean"``) those that keep no copy of the weight.
+MEASURED_MODES = ("auto", "lean")
+
+
 def check_mode(mode: str | None) -> None:
-    """Raise ValueError unless ``mode`` is None, ``"auto"`` or a backend name."""
-    if mode not in (None, "auto", *(be.name for be in BACKENDS)):
-        raise ValueError(f"opfuse: unknown gemm mode {mode!r}; expected auto, "
+    """Raise ValueError unless ``mode`` is None, ``"auto"``, ``"lean"`` or a backend name."""
+    if mode not in (None, *MEASURED_MODES, *(be.name for be in BACKENDS)):
+        raise ValueError(f"opfuse: unknown gemm mode {mode!r}; expected auto, lean, "
                          + ", ".join(be.name for be in BACKENDS))
 
 
@@ -419,8 +428,9 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None, also_at: lis
     replaces the node by ``mkldnn._linear_pointwise`` (with its GELU or add post-op);
     ``packed`` folds oneDNN's prepacked copy (one per weight) and runs every site on it.
 
-    ``mode`` (default ``OPFUSE_GEMM`` or ``"auto"``): ``"auto"`` measures; ``"aten"`` keeps
-    eager's GEMMs; a backend name forces it where usable. ``also_at``: other sizes of a
+    ``mode`` (default ``OPFUSE_GEMM`` or ``"auto"``): ``"auto"`` measures; ``"lean"``
+    measures the backends that keep no copy of the weight (``aten``, ``onednn``, ``gemv``);
+    ``"aten"`` keeps eager's GEMMs; a backend name forces it where usable. ``also_at``: other sizes of a
     dynamic plan ({symbol: size}, e.g. the range's minimum) at which a GEMM with symbolic
     rows is measured too; the backend must win at every size (:func:`combine`). Returns the
     choices (for the report).
@@ -457,8 +467,9 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None, also_at: lis
             args = [_value(gm, a, concrete=False) for a in node.args]
         except ValueError:
             continue
-        backends = [be for be in BACKENDS if be.available() and be.serves(site.kind) and be.usable(site.kind, args)]
-        if mode == "auto":
+        backends = [be for be in BACKENDS if be.available() and be.serves(site.kind) and be.usable(site.kind, args)
+                    and not (mode == "lean" and be.copies)]
+        if mode in MEASURED_MODES:
             name, times, reason = choose(site, args, backends, cache,
                                          concrete=lambda: [_value(gm, a, concrete=True) for a in node.args])
             symbolic = any(isinstance(d, torch.SymInt) for d in xv.shape[:-1])

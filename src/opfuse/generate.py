@@ -11,8 +11,8 @@ decode-step graph, with a preallocated KV cache written in place.
       │         K and V, L = prompt + new tokens rounded up to CACHE_BUCKET (≤ the model's
       │         max positions), allocated once per (B, L, dtype) and reset in place
       ▼
-      prefill graph  input_ids [B, P]  (HF asks for the last position's logits only; eager's
-                     GEMMs, no weight copies: :data:`PREFILL_GEMM`)
+      prefill graph  input_ids [B, P]  (HF asks for the last position's logits only; GEMM
+                     backends without weight copies: :data:`PREFILL_GEMM`)
       decode graph   input_ids [B, 1]  one plan per (B, L): every step of every call runs it;
                      the cache write is an in-place ``index_copy_`` (pipeline pass
                      ``inplace_cache_writes``), no copy of the cache per token
@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import statistics
 import time
 import warnings
@@ -47,11 +48,15 @@ CACHE_BUCKET = 128
 #: Static caches kept per FusedModule (least recently used dropped first).
 MAX_CACHES = 2
 #: GEMM backend mode of the prefill graph (:func:`opfuse.gemm.apply_gemm_choices`) unless the
-#: user chose one: eager's GEMMs, no weight copies. The prefill runs once per call; on the
-#: Llama benchmark its pre-transposed / prepacked copies held 252 MB (more than the weights,
-#: on top of the decode plan's) and prefill measured no faster (1378–1501 vs eager's
-#: 1513–1558 tok/s). The decode step, run once per token, keeps its measured choices.
-PREFILL_GEMM = "aten"
+#: user chose one (``gemm=`` or ``OPFUSE_GEMM``): measured among the backends that keep no
+#: weight copy (``"lean"``: eager's, oneDNN on the weight as it is, the GEMV). The prefill
+#: runs once per call; on the Llama benchmark its pre-transposed / prepacked copies held
+#: 252 MB (more than the weights, on top of the decode plan's) and measured no faster than
+#: eager's GEMMs on the Ice Lake machines; on the Zen 5 machines (MKL without its AVX-512
+#: paths) oneDNN on the weight as it is ran the 1×128 prefill + first token in 60.0 ms
+#: against 101.9 ms with eager's GEMMs (eager 95.9), with no copy. The decode step, run once
+#: per token, keeps its measured choices.
+PREFILL_GEMM = "lean"
 
 
 class GenerateError(ValueError):
@@ -155,7 +160,7 @@ class Generation:
     def _collect(self, gm, example_inputs):
         from .backend import CompiledGraph
         options = dict(self.options, name=f"{type(self.model).__name__} {self._phase}")
-        if self._phase == "prefill" and options.get("gemm") is None:
+        if self._phase == "prefill" and options.get("gemm") is None and not os.environ.get("OPFUSE_GEMM"):
             options["gemm"] = PREFILL_GEMM
         compiled = CompiledGraph(gm, example_inputs, options)
         self.graphs.append((self._phase, compiled))

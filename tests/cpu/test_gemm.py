@@ -286,3 +286,32 @@ def test_decode_size_measurement_warms_the_code_on_a_weight_copy(monkeypatch):
     evictions.clear()
     gemm.measure(site, [torch.randn(64, 64), w, b], [be for be in backends if be.name != "gemv"])
     assert evictions == []
+
+
+def test_lean_mode_measures_only_backends_without_a_weight_copy(monkeypatch):
+    """gemm="lean": the measured choice among aten, onednn and gemv, so the plan holds no
+    pre-transposed or prepacked copy (the timings are injected: every copying backend
+    would win if it were measured); values equal float64 eager."""
+    seen = []
+
+    def fake_measure(site, args, backends):
+        seen.append({be.name for be in backends})
+        return {be.name: (1e-3 if be.copies else 2e-3 if be.name == "onednn" else 4e-3) for be in backends}
+    monkeypatch.setattr(gemm, "measure", fake_measure)
+    monkeypatch.setattr(gemm, "load_cache", lambda name: {})
+    monkeypatch.setattr(gemm, "save_cache", lambda name, cache: None)
+    model = _MLP().eval()
+    x = torch.randn(3, 7, 48)
+    fused = opfuse.optimize(model, (x,), gemm="lean")
+    with torch.no_grad():
+        ref = model.double()(x.double()).float()
+        model.float()
+        out = fused(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert seen and all(names <= {"aten", "onednn", "gemv"} and "aten" in names for names in seen)
+    choices = fused.report.gemm
+    assert [c["backend"] for c in choices] == ["onednn", "onednn"] and [c["extra_bytes"] for c in choices] == [0, 0]
+    _, gm = _targets(fused)
+    assert not [name for name, _ in gm.named_buffers() if name.startswith("opfuse_folded_")]
+    with pytest.raises(opfuse.OptimizeError, match="expected auto, lean"):
+        opfuse.optimize(model, (x,), gemm="leaner")
