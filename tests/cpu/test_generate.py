@@ -277,4 +277,3 @@ def test_generation_table_shows_both_plans():
     console.print(generation_table(fused.generation.plans(), fused.generation.summary()))
     text = console.export_text()
     assert "prefill" in text and "decode" in text and "attention 2" in text and "decode step" in text
-
