@@ -31,12 +31,15 @@ def main() -> int:
     ap.add_argument("--no-compile", action="store_true", help="skip HF StaticCache + torch.compile (cold ~1 min)")
     ap.add_argument("--bf16", action="store_true", help="also opfuse with precision='bf16' (peer opfuse-bf16)")
     ap.add_argument("--lean", action="store_true", help="also opfuse with gemm='aten': no weight copies (peer opfuse-aten)")
+    ap.add_argument("--nocopy", action="store_true",
+                    help="also opfuse with gemm='lean': backends measured among those without weight copies (opfuse-lean)")
     ap.add_argument("--breakdown", action="store_true", help="time per decode step by category (profiler)")
     ns = ap.parse_args()
     console = Console()
     against = ("ort", "openvino") if ns.no_compile else ("static-compile", "ort", "openvino")
     against += ("opfuse-bf16",) if ns.bf16 else ()
     against += ("opfuse-aten",) if ns.lean else ()
+    against += ("opfuse-lean",) if ns.nocopy else ()
     for threads in ns.threads:
         for name in ns.models:
             for batch in ns.batches:

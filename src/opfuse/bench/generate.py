@@ -132,8 +132,10 @@ def _peers(model, ids, mask, against, log) -> list[Peer]:
         run(2)
         return Peer(name, run, cold_s=time.perf_counter() - start, detail={"module": fused})
     peers.append(opfuse_peer("opfuse"))
-    if "opfuse-aten" in against:  # eager's GEMMs: no weight copies (the memory-lean plan)
+    if "opfuse-aten" in against:  # eager's GEMMs: no weight copies
         peers.append(opfuse_peer("opfuse-aten", gemm="aten"))
+    if "opfuse-lean" in against:  # GEMM backends measured among those without a weight copy
+        peers.append(opfuse_peer("opfuse-lean", gemm="lean"))
     if "opfuse-bf16" in against:
         peers.append(opfuse_peer("opfuse-bf16", precision="bf16"))
     if "static-compile" in against:
