@@ -267,7 +267,9 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument("--dynamic", action="store_true",
                            help="one plan for every batch and sequence length (opfuse.optimize(dynamic=True))")
             p.add_argument("--save", metavar="DIR", help="save the plan to DIR (opfuse.save); run it with opfuse load")
-            p.add_argument("--gemm", default=None, help="GEMM backend: auto (measured, default), aten, wt, onednn, packed")
+            p.add_argument("--gemm", default=None,
+                           help="GEMM backend: auto (measured, default), lean (measured, no weight copies), aten, wt, "
+                                "onednn, packed, gemv")
             p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                            help="bf16: GEMM regions in bf16 where measured error and time allow (opfuse.precision)")
     ld = sub.add_parser("load", help="load a plan saved by opfuse optimize --save DIR, print its report and time it")
