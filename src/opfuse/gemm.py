@@ -430,10 +430,10 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None, also_at: lis
 
     ``mode`` (default ``OPFUSE_GEMM`` or ``"auto"``): ``"auto"`` measures; ``"lean"``
     measures the backends that keep no copy of the weight (``aten``, ``onednn``, ``gemv``);
-    ``"aten"`` keeps eager's GEMMs; a backend name forces it where usable. ``also_at``: other sizes of a
-    dynamic plan ({symbol: size}, e.g. the range's minimum) at which a GEMM with symbolic
-    rows is measured too; the backend must win at every size (:func:`combine`). Returns the
-    choices (for the report).
+    ``"aten"`` keeps eager's GEMMs; a backend name forces it where usable. ``also_at``:
+    other sizes of a dynamic plan ({symbol: size}, e.g. the range's minimum) at which a
+    GEMM with symbolic rows is measured too; the backend must win at every size
+    (:func:`combine`). Returns the choices (for the report).
 
     Raises:
         ValueError: unknown mode.
