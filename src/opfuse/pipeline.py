@@ -233,7 +233,7 @@ def _plan_captured(gm, spec, model, args, kwargs, lap, timings, *, theta, device
     select(cands, theta);                                           lap("select")
     env = record_values(gm, args, kwargs) if rewrite_graph and (verify or decide == "time") else None
     if rewrite_graph and decide == "time":
-        decide_by_time(cands, env, theta);                          lap("time")
+        decide_by_time(cands, env, theta, gemm=gemm);               lap("time")
     samples = sample_inputs(spec, args, kwargs) if spec is not None else []
     samples, guarded = check_capture_at(model, gm, samples)
     if verify and rewrite_graph:

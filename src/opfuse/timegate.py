@@ -6,8 +6,10 @@ unfused ops (the seed's traffic criterion first, then the clock).
 
     select (ρ ≥ θ, roofline, overlaps) ── fused candidates
         └─ time each: fused module vs unfused module, interleaved, on the recorded inputs
-           (verify.fused_region_module / unfused_region_module), cached per CPU model,
-           thread count, pattern, variant and input signature in OPFUSE_CACHE_DIR
+           (verify.fused_region_module / unfused_region_module), each with the GEMM
+           backends the plan's GEMM pass gives it (opfuse.gemm, the plan's mode), cached per
+           CPU model, thread count, GEMM mode, pattern, variant and input signature in
+           OPFUSE_CACHE_DIR
         └─ fused not MARGIN (3%) faster than unfused: rejected ("decided by time"), the others re-selected (a region
            it overlapped may now fuse), until no chosen region is slower
 
@@ -54,19 +56,48 @@ def check_mode(mode: str | None) -> str:
     return mode
 
 
-def measure_region(cand, env: dict) -> tuple[float, float]:
+def _with_gemm_backends(module: torch.fx.GraphModule, feeds: list, gemm: str | None) -> None:
+    """Give ``module``'s GEMMs the backends the plan's GEMM pass would give them
+    (:func:`opfuse.gemm.apply_gemm_choices` in mode ``gemm``; its choices are cached per
+    shape, so the pass reuses them): every node's value recorded first (the pass reads the
+    row counts from ``meta["val"]``)."""
+    from .gemm import apply_gemm_choices, sites
+    table = sites()
+    if gemm == "aten" or (gemm is None and os.environ.get("OPFUSE_GEMM") == "aten") or not any(
+            n.op == "call_function" and n.target in table for n in module.graph.nodes):
+        return
+
+    class _Record(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            n.meta["val"] = out
+            return out
+    _Record(module).run(*feeds)
+    apply_gemm_choices(module, gemm)
+
+
+def measure_region(cand, env: dict, gemm: str | None = None) -> tuple[float, float]:
     """(fused s, unfused s): minimum of :data:`ROUNDS` interleaved runs of ``cand``'s fused
-    replacement and of its original nodes on the recorded input values; the fused time is
-    ``inf`` when its kernel raises."""
+    replacement and of its original nodes on the recorded input values, each with the GEMM
+    backends the plan's GEMM pass gives it in mode ``gemm`` (:mod:`opfuse.gemm`). Timed
+    with eager's GEMMs on both sides, Llama's SwiGLU at 4×128 rows was fused with its GEMM
+    on MKL (18 ms a call under ``gemm="lean"``), while the plan then ran the unfused
+    projections on oneDNN at twice the speed (Zen 5). The fused time is ``inf`` when its
+    kernel raises; an unfused side the GEMM pass cannot rewrite is timed as it is."""
     from .bench.timing import interleaved
     from .verify import fused_region_module, unfused_region_module
     fused, fused_feeds = fused_region_module(cand.match, env, fold=True)  # weights folded, as in the plan
-    unfused, unfused_feeds = unfused_region_module(cand.match, env)
+    unfused, unfused_feeds = unfused_region_module(cand.match, env, fold=True)
     with torch.no_grad():
         try:
+            _with_gemm_backends(fused, fused_feeds, gemm)
             fused(*fused_feeds)
         except Exception:  # noqa: BLE001  a kernel that raises is never faster
             return math.inf, 0.0
+        try:
+            _with_gemm_backends(unfused, unfused_feeds, gemm)
+        except Exception:  # noqa: BLE001  timed with the GEMMs it has (the pass is an optimisation)
+            unfused, unfused_feeds = unfused_region_module(cand.match, env)
         times = interleaved({"fused": lambda: fused(*fused_feeds), "unfused": lambda: unfused(*unfused_feeds)},
                             repeat=ROUNDS, warmup=1)
     return times["fused"]["min_s"], times["unfused"]["min_s"]
@@ -84,20 +115,24 @@ def kernels_version() -> str:
     return digest.hexdigest()[:10]
 
 
-def _key(cand, env: dict) -> str:
+def _key(cand, env: dict, gemm: str | None = None) -> str:
     m = cand.match
     feeds = [env[n] if isinstance(n, torch.fx.Node) else n for n in m.inputs.values()]
-    return (f"v4 | {kernels_version()} | {cpu_model()} | threads={torch.get_num_threads()} | "
+    mode = gemm or os.environ.get("OPFUSE_GEMM") or "auto"
+    return (f"v5 | {kernels_version()} | {cpu_model()} | threads={torch.get_num_threads()} | gemm={mode} | "
             f"{m.pattern.name}/{m.pattern.variant} | {input_signature(tuple(feeds), {})!r}")
 
 
-def decide_by_time(cands: list, env: dict, theta: float, timer: Callable | None = None) -> int:
+def decide_by_time(cands: list, env: dict, theta: float, timer: Callable | None = None,
+                   gemm: str | None = None) -> int:
     """Pipeline pass: time every ``fused`` CPU candidate (``timer(cand, env)`` ->
-    (fused s, unfused s), default :func:`measure_region`, cached), reject the slower ones
-    and re-select the rest; returns how many were rejected by time. Each timed candidate
-    gets ``extra["measured"] = {"fused_s", "unfused_s"}`` and its reason says so."""
-    timer = timer or measure_region
-    cache = load_cache(CACHE) if timer is measure_region else {}
+    (fused s, unfused s), default :func:`measure_region` with the plan's GEMM mode ``gemm``,
+    cached), reject the slower ones and re-select the rest; returns how many were rejected
+    by time. Each timed candidate gets ``extra["measured"] = {"fused_s", "unfused_s"}`` and
+    its reason says so."""
+    measured = timer is None
+    timer = (lambda c, e: measure_region(c, e, gemm)) if measured else timer
+    cache = load_cache(CACHE) if measured else {}
     size = len(cache)
     rejected = 0
     for _ in range(8):  # each round can only reject; the re-selection settles in a few
@@ -105,13 +140,13 @@ def decide_by_time(cands: list, env: dict, theta: float, timer: Callable | None 
         for c in cands:
             if c.decision != "fused" or "measured" in c.extra or not _on_cpu(c, env):
                 continue
-            key = _key(c, env)
+            key = _key(c, env, gemm)
             if key in cache:
                 tf, tu = cache[key]
             else:
                 tf, tu = timer(c, env)
                 noisy = busy()
-                if math.isfinite(tf) and noisy is None:
+                if measured and math.isfinite(tf) and noisy is None:
                     cache[key] = [tf, tu]
                 elif noisy is not None:
                     c.extra["busy"] = noisy
@@ -136,7 +171,7 @@ def decide_by_time(cands: list, env: dict, theta: float, timer: Callable | None 
             c.reason += f"; measured fused {tf * 1e6:.1f} µs < unfused {tu * 1e6:.1f} µs"
         if c.extra.get("busy"):
             c.reason += f" (timed while the machine was busy: {c.extra['busy']}; not cached)"
-    if len(cache) != size:
+    if measured and len(cache) != size:
         save_cache(CACHE, cache)
     return rejected
 

@@ -105,22 +105,31 @@ def fused_region_module(match, env: dict, fold: bool = False) -> tuple[fx.GraphM
     return module, feeds
 
 
-def unfused_region_module(match, env: dict) -> tuple[fx.GraphModule, list]:
+def unfused_region_module(match, env: dict, fold: bool = False) -> tuple[fx.GraphModule, list]:
     """(module, feeds): ``match``'s original region nodes copied into a standalone module
-    (external inputs become placeholders), with the recorded values of those inputs."""
+    (external inputs become placeholders), with the recorded values of those inputs. With
+    ``fold``, inputs that are the model's parameters or buffers become constants of the
+    module (as :func:`fused_region_module` folds them), so a GEMM backend pass can treat
+    its weights as the plan's."""
     graph = fx.Graph()
+    root = torch.nn.Module()
     mapping: dict = {}
     inside = set(match.region)
     feeds = []
     for node in match.region:
         for inp in node.all_input_nodes:
             if inp not in inside and inp not in mapping:
-                mapping[inp] = graph.placeholder(f"in_{len(feeds)}")
-                feeds.append(env[inp])
+                if fold and inp.op == "get_attr":
+                    name = f"const_{len(root._buffers)}"
+                    root.register_buffer(name, env[inp])
+                    mapping[inp] = graph.get_attr(name)
+                else:
+                    mapping[inp] = graph.placeholder(f"in_{len(feeds)}")
+                    feeds.append(env[inp])
     for node in match.region:
         mapping[node] = graph.node_copy(node, lambda n: mapping[n])
     graph.output(tuple(mapping[o] for o in list(match.outputs) + list(match.emitted)))
-    return fx.GraphModule(torch.nn.Module(), graph), feeds
+    return fx.GraphModule(root, graph), feeds
 
 
 def run_region(cand, env: dict) -> list:

@@ -19,7 +19,7 @@ def _timer(table: dict):
     """A timer that reads (fused s, unfused s) by pattern name."""
     calls = []
 
-    def timer(cand, env):
+    def timer(cand, env, gemm=None):
         calls.append(cand.match.pattern.name)
         return table[cand.match.pattern.name]
     timer.calls = calls
@@ -126,3 +126,48 @@ def test_real_measurement_records_times():
 def test_unknown_decide_mode_is_refused():
     with pytest.raises(opfuse.OptimizeError, match="decide must be one of"):
         opfuse.optimize(AddLN().eval(), (torch.randn(2, 32), torch.randn(2, 32)), decide="bytes")
+
+
+def test_regions_are_timed_with_the_gemm_backends_the_plan_gives_them(monkeypatch):
+    """measure_region runs both sides after opfuse.gemm.apply_gemm_choices in the plan's mode:
+    with gemm="onednn" forced, the unfused linears become oneDNN calls in the timed module
+    (a fused op no backend serves keeps its own GEMM); with gemm="aten" nothing changes."""
+    import transformers as T
+
+    from opfuse import gemm as gemm_mod
+    from opfuse.pipeline import cost, legality, select
+    from opfuse.cost.device import profile_for
+    from opfuse.graph.capture import capture
+    from opfuse.graph.canonicalize import canonicalize
+    from opfuse.patterns import LIBRARY, find_matches
+    from opfuse.verify import record_values
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1, vocab_size=50,
+                                             use_cache=False)).model.layers[0].mlp.eval()
+    x = torch.randn(1, 12, 32)
+    gm = capture(model, (x,), {})
+    canonicalize(gm)
+    matches, _ = find_matches(gm.graph, LIBRARY)
+    cands = legality(matches, gm.graph)
+    cost(cands, profile_for(torch.device("cpu")))
+    select(cands, 0.3)
+    env = record_values(gm, (x,), {})
+    (swiglu,) = [c for c in cands if c.match.pattern.name == "swiglu"]
+    ran = []
+    real = gemm_mod.apply_gemm_choices
+
+    def spy(module, mode=None, also_at=None):
+        out = real(module, mode, also_at)
+        ran.append((mode, sorted({str(n.target) for n in module.graph.nodes if n.op == "call_function"})))
+        return out
+    monkeypatch.setattr(gemm_mod, "apply_gemm_choices", spy)
+    fused_s, unfused_s = timegate.measure_region(swiglu, env, "onednn")
+    assert fused_s > 0 and unfused_s > 0
+    (fused_mode, fused_ops), (unfused_mode, unfused_ops) = ran
+    assert fused_mode == unfused_mode == "onednn"
+    assert "opfuse.swiglu.default" in fused_ops  # oneDNN serves no swiglu site: its own GEMM
+    assert "mkldnn._linear_pointwise.default" in unfused_ops and "aten.linear.default" not in unfused_ops
+    ran.clear()
+    timegate.measure_region(swiglu, env, "aten")
+    assert ran == []
