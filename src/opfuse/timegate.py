@@ -58,13 +58,13 @@ def check_mode(mode: str | None) -> str:
 
 def _with_gemm_backends(module: torch.fx.GraphModule, feeds: list, gemm: str | None) -> None:
     """Give ``module``'s GEMMs the backends the plan's GEMM pass would give them
-    (:func:`opfuse.gemm.apply_gemm_choices` in mode ``gemm``; its choices are cached per
-    shape, so the pass reuses them): every node's value recorded first (the pass reads the
-    row counts from ``meta["val"]``)."""
-    from .gemm import apply_gemm_choices, sites
+    (:func:`opfuse.gemm.apply_gemm_choices` in mode ``gemm``, None: the pass's default; its
+    choices are cached per shape, so the pass reuses them): every node's value recorded
+    first (the pass reads the row counts from ``meta["val"]``)."""
+    from .gemm import _mode, apply_gemm_choices, sites
     table = sites()
-    if gemm == "aten" or (gemm is None and os.environ.get("OPFUSE_GEMM") == "aten") or not any(
-            n.op == "call_function" and n.target in table for n in module.graph.nodes):
+    if (gemm or _mode()) == "aten" or not any(n.op == "call_function" and n.target in table
+                                              for n in module.graph.nodes):
         return
 
     class _Record(torch.fx.Interpreter):
@@ -116,10 +116,10 @@ def kernels_version() -> str:
 
 
 def _key(cand, env: dict, gemm: str | None = None) -> str:
+    from .gemm import _mode
     m = cand.match
     feeds = [env[n] if isinstance(n, torch.fx.Node) else n for n in m.inputs.values()]
-    mode = gemm or os.environ.get("OPFUSE_GEMM") or "auto"
-    return (f"v5 | {kernels_version()} | {cpu_model()} | threads={torch.get_num_threads()} | gemm={mode} | "
+    return (f"v5 | {kernels_version()} | {cpu_model()} | threads={torch.get_num_threads()} | gemm={gemm or _mode()} | "
             f"{m.pattern.name}/{m.pattern.variant} | {input_signature(tuple(feeds), {})!r}")
 
 
