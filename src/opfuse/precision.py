@@ -27,9 +27,14 @@ checked against the float32 plan and regions are put back to float32 until it pa
       └─ elide_casts: a bf16 result that only goes back to bf16 (GELU region → next GEMM,
          through views) skips its float32 round trip (exact: same bits)
 
+Attention (opfuse.attention, H = Hkv) is a region too: opfuse.attention_bf16 runs q·kᵀ and
+P·v as oneDNN bf16 batched GEMMs, the scores rounded once after the row max is subtracted,
+softmax in float32 (:mod:`opfuse.kernels.cpu.attention_bf16`; 2.9 vs 4.0 ms at 8×12×128×32,
+0.50 vs 0.79 at 1×12×128×64, 5.4 vs 10.6 at 1×12×512×64 against ATen's float32 SDPA, one
+thread, Zen 5). ATen's SDPA nodes (a model run with attn_implementation="sdpa") stay float32
+(ATen's own bf16 SDPA measured slower than float32 here: 1.01 vs 0.84 ms at 1×12×128×64).
 What stays float32: the residual stream, every normalisation (LayerNorm / RMSNorm
-statistics), softmax and attention (ATen's bf16 SDPA measured *slower* than float32 on the
-Zen 5 machines: 1.01 vs 0.84 ms at 1×12×128×64, 5.6 vs 4.7 ms at 8×12×128×32), and the
+statistics), the softmax and the
 fused ops' epilogues. Measured on the 2-core AMD EPYC Zen 5 machines (avx512_bf16, one
 thread): oneDNN's bf16 inner product on prepacked weights ran 340–390 GFLOP/s against
 150–200 in float32 (oneDNN) and 70–85 (MKL), so every BERT / MiniLM GEMM region goes bf16;
@@ -401,9 +406,23 @@ def _sites(gm: fx.GraphModule) -> list[fx.Node]:
             out.append(n)
         elif n.target is aten.matmul.default and is_wt_copy(n.args[1]):
             out.append(n)
-        elif _fused_op(n) is not None:
+        elif _fused_op(n) is not None or _attention_site(n):
             out.append(n)
     return out
+
+
+def _attention_site(n: fx.Node) -> bool:
+    """opfuse.attention that opfuse.attention_bf16 computes (no GQA; causal only with
+    Sq = Sk), by the nodes' recorded shapes."""
+    if n.target is not torch.ops.opfuse.attention.default:
+        return False
+    q, k = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in n.args[:2])
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
+        return False
+    try:
+        return bool(q.shape[1] == k.shape[1]) and not (n.args[5] and bool(q.shape[-2] != k.shape[-2]))
+    except Exception:  # a symbolic shape the comparison cannot decide: not a site
+        return False
 
 
 def _bf16_weight(gm: fx.GraphModule, converted: dict, w_arg, rows: int, transposed: bool = False,
@@ -444,6 +463,8 @@ def _region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict) -> Re
         return None
     m = as_int(prod(x.shape[:-1]))
     values = [env.get(a, a) if isinstance(a, fx.Node) else a for a in node.args]
+    if node.target is torch.ops.opfuse.attention.default:
+        return _attention_region(node, env, values, m)
     fused = _fused_op(node)
     if fused == "linear_bias_gelu" and m > COLD_ROWS and node.args[3] in GELU_POST_OPS:
         # its bf16 form is oneDNN's GEMM with the GELU post-op (as the unfused GEMM + GELU
@@ -485,6 +506,32 @@ def _region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict) -> Re
     kind = "gemm" + ("+bias" if len(nodes) > 1 and nodes[1].target is aten.add.Tensor else "") + \
         ("+gelu" if post != "none" else "")
     return _gemm_region(gm, node, env, converted, x, m, nodes, b_arg, post, algorithm, kind)
+
+
+def _attention_region(node: fx.Node, env: dict, values: list, m: int) -> Region | None:
+    """opfuse.attention as opfuse.attention_bf16 (bf16 GEMMs with a shifted single rounding
+    of the scores, float32 softmax: :mod:`opfuse.kernels.cpu.attention_bf16`); ``m`` = B·H·Sq
+    rows, reported as m × k (D) × n (Sk)."""
+    q, k = values[0], values[1]
+    if not isinstance(env.get(node), torch.Tensor) or not isinstance(k, torch.Tensor) or \
+            (isinstance(node.args[3], fx.Node) and not isinstance(values[3], torch.Tensor)):
+        return None
+    if k.shape[1] != q.shape[1] or (values[5] and q.shape[-2] != k.shape[-2]):
+        return None  # GQA, causal with Sq ≠ Sk: the bf16 kernel would run the float32 one
+    low = torch.ops.opfuse.attention_bf16.default
+
+    def lower():
+        node.target = low
+        node.meta["opfuse_precision"] = "bf16"
+
+    def restore():
+        node.target = torch.ops.opfuse.attention.default
+        node.meta.pop("opfuse_precision", None)
+    d, sk = q.shape[-1], k.shape[-2]
+    return Region(node, m, as_int(d), as_int(sk), lambda: torch.ops.opfuse.attention.default(*values), lambda: low(*values), env[node],
+                  lower, restore, lambda: None,
+                  f"bf16 attention vs opfuse.attention({'x'.join(str(as_int(s)) for s in q.shape)}, Sk={as_int(sk)}, "
+                  f"mask={values[3] is not None}, causal={values[5]})", " GEMMs, float32 softmax", "attention")
 
 
 def _gemm_region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict, x: torch.Tensor, m: int,

@@ -24,10 +24,10 @@ def _plan(name="llama-tiny", batch=2, seq=7):
 
 
 def _lowered(gm):
-    """The GEMM calls running in bf16: oneDNN bf16 linears and opfuse ops on bf16 weights."""
+    """The calls running in bf16: oneDNN bf16 linears, opfuse ops on bf16 weights, bf16 attention."""
     return [n for n in gm.graph.nodes if n.meta.get("opfuse_precision") == "bf16"
-            and (n.target in (torch.ops.mkldnn._linear_pointwise.default, torch.ops.opfuse.linear_bf16.default)
-                 or P._fused_op(n))]
+            and (n.target in (torch.ops.mkldnn._linear_pointwise.default, torch.ops.opfuse.linear_bf16.default,
+                              torch.ops.opfuse.attention_bf16.default) or P._fused_op(n))]
 
 
 def test_bf16_gemm_within_its_error_bound_of_float64():

@@ -411,6 +411,7 @@ OP_CHECKS = {
     "linear_add_layernorm_sum": lambda x, w, b, r, lw, lb, eps, **d: check_linear_add_layernorm(x, w, b, r, lw, lb, **d),
     "ffn": lambda x, w1, b1, w2, b2, a, rows, **d: check_ffn(x, w1, b1, w2, b2, a, rows, **d),
     "attention": _attention_call,
+    "attention_bf16": _attention_call,
     "rmsnorm": lambda x, w, eps, **d: check_rmsnorm(x, w, **d),
     "add_rmsnorm": lambda x, r, w, eps, **d: check_add_rmsnorm(x, r, w, **d),
     "swiglu": lambda x, w, hidden, **d: check_swiglu(x, w, hidden, **d),

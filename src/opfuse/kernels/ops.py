@@ -15,6 +15,7 @@ op and imports the CPU kernels (which register themselves).
     opfuse::linear_add_layernorm_sum(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor? ln_bias, float eps) -> (Tensor, Tensor)
     opfuse::ffn(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2, str approximate, int block_rows) -> Tensor
     opfuse::attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal) -> Tensor
+    opfuse::attention_bf16(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal) -> Tensor
     opfuse::rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor
     opfuse::add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)
     opfuse::swiglu(Tensor x, Tensor w_gate_up, int hidden) -> Tensor
@@ -63,6 +64,7 @@ SCHEMAS: dict[str, str] = {
                                 "Tensor? ln_bias, float eps) -> (Tensor, Tensor)",
     "ffn": "(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2, str approximate, int block_rows) -> Tensor",
     "attention": "(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal) -> Tensor",
+    "attention_bf16": "(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal) -> Tensor",
     "rmsnorm": "(Tensor x, Tensor weight, float eps) -> Tensor",
     "add_rmsnorm": "(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
     "swiglu": "(Tensor x, Tensor w_gate_up, int hidden) -> Tensor",
@@ -222,6 +224,16 @@ def _(q, k, v, mask, scale, is_causal):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
+@_op("attention_bf16")  # precision="bf16": bf16 GEMMs, float32 softmax (kernels/cpu/attention_bf16.py)
+def attention_bf16(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, is_causal: bool) -> Tensor:
+    return lookup("attention_bf16", q.device.type)(q, k, v, mask, scale, is_causal)
+
+
+@attention_bf16.register_fake
+def _(q, k, v, mask, scale, is_causal):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
 # --- rmsnorm / add_rmsnorm (Llama) -----------------------------------------------------
 # out has dtype promote(x, weight) (HF LlamaRMSNorm multiplies the weight after casting);
 # add_rmsnorm returns (out, x + residual), the sum in x's dtype.
@@ -320,6 +332,8 @@ def warm_up() -> None:
     for emit_sum in (True, False):
         lookup("linear_add_layernorm", "cpu")(x, r(4, 8), r(4), r(2, 4), r(4), r(4), 1e-5, emit_sum)
     lookup("attention", "cpu")(r(1, 2, 3, 4), r(1, 1, 5, 4), r(1, 1, 5, 4), None, 0.5, False)
+    for mask in (None, r(1, 1, 3, 3) > 0):  # serial compilations of the bf16 softmax kernels
+        lookup("attention_bf16", "cpu")(r(1, 2, 3, 4), r(1, 2, 3, 4), r(1, 2, 3, 4), mask, 0.5, False)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):  # one rounding path each
         lookup("rmsnorm", "cpu")(x.to(dtype), w, 1e-6)
         lookup("add_rmsnorm", "cpu")(x.to(dtype), res.to(dtype), w, 1e-6)

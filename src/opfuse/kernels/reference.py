@@ -170,3 +170,8 @@ def rope(x, cos, sin, layout: str) -> torch.Tensor:
 def rope_qk(q, k, cos, sin, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(rope(q), rope(k)) with the same tables, the order of the op's outputs."""
     return rope(q, cos, sin, layout), rope(k, cos, sin, layout)
+
+
+def attention_bf16(q, k, v, mask, scale: float, is_causal: bool) -> torch.Tensor:
+    """The float64 attention (the bf16 kernel's tolerance covers q, k, v, scores and P rounded)."""
+    return attention(q, k, v, mask, scale, is_causal)

@@ -4,6 +4,7 @@ from opfuse.kernels.cpu import (  # noqa: F401  (imported for their @register si
     add_layernorm,
     add_rmsnorm,
     attention,
+    attention_bf16,
     ffn,
     geglu,
     layernorm_gelu,

@@ -1,0 +1,120 @@
+"""opfuse.attention_bf16 (precision="bf16"): bf16 GEMMs with the shifted single rounding of
+the scores and a float32 softmax, against the float64 oracle with bf16 tolerances; the
+cases it hands to the float32 kernel (NaN, GQA) give exactly that kernel's result; as a
+precision site, attention goes bf16 only within its error budget."""
+
+import math
+
+import pytest
+import torch
+
+from opfuse import precision as P
+from opfuse.kernels import reference
+from opfuse.kernels.cpu.attention import attention as attention_f32
+from opfuse.kernels.cpu.attention_bf16 import attention_bf16
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="bf16 GEMMs run through oneDNN")
+FASTER = lambda node, fp32, bf16: {"fp32": 2e-4, "bf16": 1e-4}  # noqa: E731  injected clock
+
+
+def _qkv(b, h, sq, sk, d, scale=2.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, s, d, generator=g) * scale for s in (sq, sk, sk)]
+
+
+def _rel(out, ref):
+    return float((out.double() - ref).abs().max() / ref.abs().max())
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 16, 16, 32), (1, 4, 7, 33, 64), (3, 2, 128, 128, 32)])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive", "causal"])
+def test_against_float64(shape, mask_kind):
+    b, h, sq, sk, d = shape
+    if mask_kind == "causal" and sq != sk:
+        pytest.skip("causal with Sq != Sk runs the float32 kernel")
+    q, k, v = _qkv(b, h, sq, sk, d)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(b, 1, 1, sk, generator=torch.Generator().manual_seed(1)) > 0.3
+        mask[..., 0] = True
+    elif mask_kind == "additive":
+        mask = torch.randn(b, 1, sq, sk) * 3
+    scale = 1 / math.sqrt(d)
+    causal = mask_kind == "causal"
+    ref = reference.attention(q, k, v, mask, scale, causal)
+    out = attention_bf16(q, k, v, mask, scale, causal)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    # bf16 keeps 8 bits: q, k, v, the shifted scores and P each rounded once
+    assert _rel(out, ref) < 2.5e-2
+    assert _rel(out, ref) > 0  # it did run in bf16 (the float32 kernel is ~1e-6 here)
+
+
+def test_the_shift_keeps_large_scores_accurate():
+    """Scores of magnitude ~100 (MiniLM's first layer reaches 80): rounding them to bf16
+    unshifted costs up to 0.25 in the exponent; shifted, the error is what bf16 inputs give."""
+    q, k, v = _qkv(1, 2, 64, 64, 32, scale=4.0)
+    ref = reference.attention(q, k, v, None, 1.0 / math.sqrt(32), False)
+    out = attention_bf16(q, k, v, None, 1.0 / math.sqrt(32), False)
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    unshifted = torch.softmax(torch.matmul(qb, kb.transpose(-1, -2)).float() / math.sqrt(32), -1)
+    naive = torch.matmul(unshifted.bfloat16(), vb).float()
+    assert _rel(out, ref) < 0.5 * _rel(naive, ref)
+
+
+def test_fully_masked_rows_give_zero_as_sdpa():
+    q, k, v = _qkv(2, 2, 8, 8, 32)
+    mask = torch.ones(2, 1, 8, 8, dtype=torch.bool)
+    mask[1, 0, 3] = False
+    out = attention_bf16(q, k, v, mask, 0.2, False)
+    f32 = attention_f32(q, k, v, mask, 0.2, False)
+    assert torch.equal(out[1, :, 3], torch.zeros_like(out[1, :, 3])) and torch.equal(out[1, :, 3], f32[1, :, 3])
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("bad", ["nan_q", "inf_k", "nan_mask", "gqa"])
+def test_what_it_does_not_compute_runs_the_float32_kernel(bad):
+    q, k, v = _qkv(1, 4, 8, 8, 16)
+    mask = None
+    if bad == "nan_q":
+        q[0, 1, 2, 3] = float("nan")
+    elif bad == "inf_k":
+        k[0, 2, 5, 0] = float("inf")
+    elif bad == "nan_mask":
+        mask = torch.zeros(1, 1, 8, 8)
+        mask[0, 0, 1, 1] = float("nan")
+    else:
+        k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+    out = attention_bf16(q, k, v, mask, 0.25, False)
+    assert torch.equal(out.isnan(), attention_f32(q, k, v, mask, 0.25, False).isnan())
+    assert torch.allclose(out, attention_f32(q, k, v, mask, 0.25, False), equal_nan=True, atol=0, rtol=0)
+
+
+def test_refuses_what_attention_refuses():
+    q, k, v = _qkv(1, 2, 4, 4, 8)
+    with pytest.raises(ValueError, match="4-D"):
+        attention_bf16(q[0], k, v, None, 0.5, False)
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        attention_bf16(q, k, v, torch.ones(4, 4, dtype=torch.bool), 0.5, True)
+
+
+def _plan():
+    import opfuse
+    from opfuse.models import load
+    loaded = load("bert-tiny", batch=2, seq=16)
+    fused = opfuse.optimize(loaded.model, loaded.args, example_kwargs=loaded.kwargs, decide="rho")
+    return loaded, next(iter(fused._plans.values())).gm
+
+
+def test_attention_is_a_precision_site_within_its_budget():
+    loaded, gm = _plan()
+    sites = [n for n in P._sites(gm) if n.target is torch.ops.opfuse.attention.default]
+    assert len(sites) == 2  # bert-tiny: two layers, each attention fused
+    first = sites[0].name
+    info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER, errors={first: 0.5})
+    att = {g["node"]: g for g in info["gemms"] if g["region"] == "attention"}
+    assert att[first]["precision"] == "fp32" and "tolerance" in att[first]["reason"]
+    assert att[sites[1].name]["precision"] == "bf16"
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.opfuse.attention_bf16.default) == 1
+    assert targets.count(torch.ops.opfuse.attention.default) == 1
+    assert info["end_to_end"]["min_cosine"] >= P.COSINE_MIN
