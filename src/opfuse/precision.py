@@ -34,8 +34,7 @@ softmax in float32 (:mod:`opfuse.kernels.cpu.attention_bf16`; 2.9 vs 4.0 ms at 8
 thread, Zen 5). ATen's SDPA nodes (a model run with attn_implementation="sdpa") stay float32
 (ATen's own bf16 SDPA measured slower than float32 here: 1.01 vs 0.84 ms at 1×12×128×64).
 What stays float32: the residual stream, every normalisation (LayerNorm / RMSNorm
-statistics), the softmax and the
-fused ops' epilogues. Measured on the 2-core AMD EPYC Zen 5 machines (avx512_bf16, one
+statistics), the softmax and the fused ops' epilogues. Measured on the 2-core AMD EPYC Zen 5 machines (avx512_bf16, one
 thread): oneDNN's bf16 inner product on prepacked weights ran 340–390 GFLOP/s against
 150–200 in float32 (oneDNN) and 70–85 (MKL), so every BERT / MiniLM GEMM region goes bf16;
 at one row oneDNN's bf16 was slower than float32 and opfuse.linear_bf16's GEMV 2.4–3.4x
@@ -515,9 +514,7 @@ def _attention_region(node: fx.Node, env: dict, values: list, m: int) -> Region 
     q, k = values[0], values[1]
     if not isinstance(env.get(node), torch.Tensor) or not isinstance(k, torch.Tensor) or \
             (isinstance(node.args[3], fx.Node) and not isinstance(values[3], torch.Tensor)):
-        return None
-    if k.shape[1] != q.shape[1] or (values[5] and q.shape[-2] != k.shape[-2]):
-        return None  # GQA, causal with Sq ≠ Sk: the bf16 kernel would run the float32 one
+        return None  # (GQA and causal Sq ≠ Sk were left out by _attention_site)
     low = torch.ops.opfuse.attention_bf16.default
 
     def lower():
@@ -528,8 +525,8 @@ def _attention_region(node: fx.Node, env: dict, values: list, m: int) -> Region 
         node.target = torch.ops.opfuse.attention.default
         node.meta.pop("opfuse_precision", None)
     d, sk = q.shape[-1], k.shape[-2]
-    return Region(node, m, as_int(d), as_int(sk), lambda: torch.ops.opfuse.attention.default(*values), lambda: low(*values), env[node],
-                  lower, restore, lambda: None,
+    return Region(node, m, as_int(d), as_int(sk), lambda: torch.ops.opfuse.attention.default(*values),
+                  lambda: low(*values), env[node], lower, restore, lambda: None,
                   f"bf16 attention vs opfuse.attention({'x'.join(str(as_int(s)) for s in q.shape)}, Sk={as_int(sk)}, "
                   f"mask={values[3] is not None}, causal={values[5]})", " GEMMs, float32 softmax", "attention")
 

@@ -50,8 +50,8 @@ _U16 = np.uint32(0xFFFF)
 _SIGN = np.uint32(0x8000)
 _EXPO = np.uint32(0x7F80)
 _SIGN32 = np.uint32(0x80000000)
-_BLOCK = 64  # rows per parallel task
 _ALL = np.uint32(0xFFFFFFFF)
+_BLOCK = 64  # rows per parallel task
 
 
 @njit(fastmath=_math._REDUCE, error_model="numpy", cache=True)
@@ -199,13 +199,13 @@ def attention_bf16(
         check_attention_mask(mask, q, (b, h, sq, sk), is_causal, device_type="cpu")
     if hkv != h or (is_causal and sq != sk) or not (b * h * sq * sk):
         return attention_f32(q, k, v, mask, scale, is_causal)
+    rows = _mask_rows(mask, b, h, sq, sk)
+    if rows is None:
+        return attention_f32(q, k, v, mask, scale, is_causal)
     bf = torch.bfloat16
     qb = q.detach().to(bf).reshape(b * h, sq, d)
     kt = k.detach().to(bf).reshape(b * h, sk, d).transpose(1, 2)
     vb = v.detach().to(bf).reshape(b * h, sk, dv)
-    rows = _mask_rows(mask, b, h, sq, sk)
-    if rows is None:
-        return attention_f32(q, k, v, mask, scale, is_causal)
     maskf, mrow, has_mask = rows
     causal = sq if is_causal else 0
     work = b * h * sq * sk
