@@ -50,6 +50,7 @@ bf16. ``precision="fp16"`` has no CPU path: the report says so and the plan stay
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from math import prod
@@ -324,6 +325,7 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
                               "planned": sum(r["times_s"][r["precision"]] for r in g)}
     for region, _ in chosen:  # the float32 forms, kept unused while the budget was checked
         region.finish()
+    info["attention_bf16_io"] = attention_bf16_io(gm) if chosen else 0
     info["casts_removed"] = elide_casts(gm) if chosen else 0
     from .rewrite import drop_unused_parameters, is_impure
     gm.graph.eliminate_dead_code(is_impure_node=is_impure)  # keeps a dynamic plan's assertions
@@ -515,6 +517,7 @@ def _attention_region(node: fx.Node, env: dict, values: list, m: int) -> Region 
     if not isinstance(env.get(node), torch.Tensor) or not isinstance(k, torch.Tensor) or \
             (isinstance(node.args[3], fx.Node) and not isinstance(values[3], torch.Tensor)):
         return None  # (GQA and causal Sq ≠ Sk were left out by _attention_site)
+    from .kernels.cpu.attention_bf16 import VERSION as attention_bf16_version
     low = torch.ops.opfuse.attention_bf16.default
 
     def lower():
@@ -527,7 +530,7 @@ def _attention_region(node: fx.Node, env: dict, values: list, m: int) -> Region 
     d, sk = q.shape[-1], k.shape[-2]
     return Region(node, m, as_int(d), as_int(sk), lambda: torch.ops.opfuse.attention.default(*values),
                   lambda: low(*values), env[node], lower, restore, lambda: None,
-                  f"bf16 attention vs opfuse.attention({'x'.join(str(as_int(s)) for s in q.shape)}, Sk={as_int(sk)}, "
+                  f"bf16 attention v{attention_bf16_version} vs opfuse.attention({'x'.join(str(as_int(s)) for s in q.shape)}, Sk={as_int(sk)}, "
                   f"mask={values[3] is not None}, causal={values[5]})", " GEMMs, float32 softmax", "attention")
 
 
@@ -634,6 +637,8 @@ def _lower(gm: fx.GraphModule, nodes: list[fx.Node], attr: fx.Node, b, post: str
     node, last = nodes[0], nodes[-1]
     x = node.args[0]
     vb = b.meta.get("val") if isinstance(b, fx.Node) else None
+    if vb is None and isinstance(b, fx.Node) and b.op == "get_attr":  # a folded bias (QKV merge's cat) has no meta
+        vb = _attr(gm, b.target)
     split_bias = b is not None and not (isinstance(vb, torch.Tensor) and vb.dim() == 1)
     with gm.graph.inserting_after(last):
         xb = gm.graph.call_function(aten._to_copy.default, (x,), {"dtype": torch.bfloat16})
@@ -657,6 +662,13 @@ def _lower(gm: fx.GraphModule, nodes: list[fx.Node], attr: fx.Node, b, post: str
     return chain
 
 
+def _attr(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
 def _restore(gm: fx.GraphModule, nodes: list[fx.Node], chain: list[fx.Node]) -> None:
     """Undo :func:`_lower`: the region's users read the float32 nodes again."""
     chain[-1].replace_all_uses_with(nodes[-1])
@@ -669,7 +681,20 @@ def _restore(gm: fx.GraphModule, nodes: list[fx.Node], chain: list[fx.Node]) -> 
 VIEW_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
                       aten.alias.default, aten.unsqueeze.default, aten.squeeze.dim, aten.transpose.int,
                       aten.permute.default, aten.expand.default, aten.slice.Tensor, aten.select.int,
-                      aten.clone.default})
+                      aten.clone.default, aten.contiguous.default})
+
+
+_SPLITS = frozenset({aten.split_with_sizes.default, aten.split.Tensor})
+
+
+def _is_view(node) -> bool:
+    """``node`` only re-indexes its first argument: a :data:`VIEW_OPS` op, a split, or one
+    piece of a split (QKV merge's q, k, v)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function"):
+        return False
+    if node.target is operator.getitem:
+        return isinstance(node.args[0], fx.Node) and node.args[0].target in _SPLITS
+    return node.target in VIEW_OPS or node.target in _SPLITS
 
 
 def _is_cast(node, dtype: torch.dtype) -> bool:
@@ -690,18 +715,64 @@ def elide_casts(gm: fx.GraphModule) -> int:
                 for u in node.users):
             continue
         views, src = [], node.args[0]
-        while isinstance(src, fx.Node) and src.op == "call_function" and src.target in VIEW_OPS:
+        while _is_view(src):
             views.append(src)
             src = src.args[0]
-        if not _is_cast(src, torch.float32) or src.args[0].meta.get("opfuse_precision") != "bf16" \
-                or not (isinstance(src.args[0], fx.Node) and src.args[0].target is torch.ops.mkldnn._linear_pointwise.default):
+        if not _bf16_result(src):
             continue
-        value = src.args[0]
-        with gm.graph.inserting_before(node):
-            for v in reversed(views):
-                value = gm.graph.call_function(v.target, (value, *v.args[1:]), dict(v.kwargs))
-                value.meta["opfuse_precision"] = "bf16"
-        node.replace_all_uses_with(value)
+        node.replace_all_uses_with(_views_of(gm, node, src.args[0], views))
         gm.graph.erase_node(node)
         removed += 1
     return removed  # the float32 casts left without users go with apply_precision's dead-code pass
+
+
+def _bf16_result(cast) -> bool:
+    """``cast`` is ``→float32(t)`` with ``t`` a bf16 region's bfloat16 result."""
+    if not _is_cast(cast, torch.float32):
+        return False
+    t = cast.args[0]
+    return isinstance(t, fx.Node) and t.meta.get("opfuse_precision") == "bf16" and t.target in (
+        torch.ops.mkldnn._linear_pointwise.default, torch.ops.opfuse.attention_bf16.default)
+
+
+def _views_of(gm: fx.GraphModule, before: fx.Node, value: fx.Node, views: list[fx.Node]) -> fx.Node:
+    """``views`` (innermost last, as walked up from a use) replayed on ``value``, before ``before``."""
+    with gm.graph.inserting_before(before):
+        for v in reversed(views):
+            value = gm.graph.call_function(v.target, (value, *v.args[1:]), dict(v.kwargs))
+            value.meta["opfuse_precision"] = "bf16"
+    return value
+
+
+def attention_bf16_io(gm: fx.GraphModule) -> int:
+    """Let opfuse.attention_bf16 read and write bfloat16: where q, k and v are each
+    ``views(→float32(t))`` of a bf16 GEMM's result ``t``, the kernel reads ``views(t)``
+    (it rounds q, k, v to bf16 first, and those casts are exact on bf16-valued tensors, so
+    the result is bit for bit the same) and its bf16 output is cast to float32 once after
+    it, for :func:`elide_casts` to remove where that only goes back to bf16 (the output
+    projection's input). Saves, per layer, three float32 copies of q, k, v and one of the
+    attention output. Returns the number of attention nodes changed."""
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.opfuse.attention_bf16.default:
+            continue
+        walks = []
+        for a in node.args[:3]:
+            views, src = [], a
+            while _is_view(src):
+                views.append(src)
+                src = src.args[0]
+            walks.append((views, src) if _bf16_result(src) else None)
+        if None in walks:
+            continue
+        node.args = tuple(_views_of(gm, node, src.args[0], views) for views, src in walks) + tuple(node.args[3:])
+        with gm.graph.inserting_after(node):
+            y = gm.graph.call_function(aten._to_copy.default, (node,), {"dtype": torch.float32})
+        node.replace_all_uses_with(y, delete_user_cb=lambda u: u is not y)
+        val = node.meta.get("val")
+        y.meta["val"] = val
+        if isinstance(val, torch.Tensor):
+            node.meta["val"] = val.to(torch.bfloat16)
+        node.meta["opfuse_precision"] = "bf16"
+        changed += 1
+    return changed

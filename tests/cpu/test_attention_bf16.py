@@ -118,3 +118,31 @@ def test_attention_is_a_precision_site_within_its_budget():
     assert targets.count(torch.ops.opfuse.attention_bf16.default) == 1
     assert targets.count(torch.ops.opfuse.attention.default) == 1
     assert info["end_to_end"]["min_cosine"] >= P.COSINE_MIN
+
+
+def test_bf16_attention_reads_and_writes_bf16_bit_for_bit(monkeypatch):
+    """attention_bf16_io: the bf16 q, k, v GEMM results feed the kernel without their float32
+    round trip, and its bf16 output goes to the output projection's bf16 input directly; the
+    plan's outputs are the same bits as with the round trips kept."""
+    def planned(io: bool):
+        loaded, gm = _plan()
+        if not io:
+            monkeypatch.setattr(P, "attention_bf16_io", lambda gm: 0)
+        info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER)
+        monkeypatch.undo()
+        return loaded, gm, info
+    loaded, gm, info = planned(True)
+    _, gm_kept, _ = planned(False)
+    assert info["attention_bf16_io"] == 2
+    nodes = [n for n in gm.graph.nodes if n.target is torch.ops.opfuse.attention_bf16.default]
+    assert len(nodes) == 2
+    for n in nodes:
+        for a in n.args[:3]:  # q, k, v: views of the bf16 QKV GEMM's result, no cast between
+            while P._is_view(a):
+                a = a.args[0]
+            assert a.target is torch.ops.mkldnn._linear_pointwise.default
+        assert n.meta["val"].dtype is torch.bfloat16
+    with torch.no_grad():
+        out, kept = P._outputs(gm, loaded.args, loaded.kwargs), P._outputs(gm_kept, loaded.args, loaded.kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(out, kept))
+    assert out[0].dtype is torch.float32

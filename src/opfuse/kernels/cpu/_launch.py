@@ -61,13 +61,14 @@ _SERIAL: dict = {}
 
 def launch(kernel, work: int):
     """The ``prange`` kernel to run for ``work`` elements: its serial compilation (same
-    Python source, ``parallel=False``) when torch runs on one thread or the work is small
+    Python source and fast-math flags, ``parallel=False``) when torch runs on one thread or the work is small
     — a parallel launch costs ~50–70 µs here, more than a small row-wise kernel — else the
     parallel one with numba's thread count synced to torch's."""
     if torch.get_num_threads() == 1 or work < PARALLEL_MIN_WORK:
         serial = _SERIAL.get(kernel)
         if serial is None:
-            serial = _SERIAL[kernel] = numba.njit(error_model="numpy", cache=True)(kernel.py_func)
+            flags = {k: v for k, v in kernel.targetoptions.items() if k == "fastmath"}  # the kernel's own
+            serial = _SERIAL[kernel] = numba.njit(error_model="numpy", cache=True, **flags)(kernel.py_func)
         return serial
     sync_threads()
     return kernel
