@@ -28,7 +28,8 @@ checked against the float32 plan and regions are put back to float32 until it pa
          through views) skips its float32 round trip (exact: same bits)
 
 Attention (opfuse.attention, H = Hkv) is a region too: opfuse.attention_bf16 runs q·kᵀ and
-P·v as oneDNN bf16 batched GEMMs, the scores rounded once after the row max is subtracted,
+P·v as oneDNN bf16 batched GEMMs, the raw scores rounded to bf16 where that is within budget
+on the example inputs, else rounded once after the row max is subtracted (one GEMM more),
 softmax in float32 (:mod:`opfuse.kernels.cpu.attention_bf16`; 2.9 vs 4.0 ms at 8×12×128×32,
 0.50 vs 0.79 at 1×12×128×64, 5.4 vs 10.6 at 1×12×512×64 against ATen's float32 SDPA, one
 thread, Zen 5). ATen's SDPA nodes (a model run with attn_implementation="sdpa") stay float32
@@ -273,7 +274,7 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
     size = len(cache)
     chosen: list[tuple[Region, float]] = []
     converted: dict[str, list] = {}
-    regions = [r for r in (_region(gm, node, env, converted) for node in _sites(gm)) if r is not None]
+    regions = [r for r in (_region(gm, node, env, converted, tol) for node in _sites(gm)) if r is not None]
     for region in regions:  # all decided on the float32 graph, before any is lowered
         node = region.node
         with torch.no_grad():
@@ -282,9 +283,10 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
             err = errors[node.name]
         key = f"{cpu_model()} | torch {torch.__version__} | threads {torch.get_num_threads()} | {region.label}" + (
             " | cold" if region.m <= COLD_ROWS else "")
-        times = timer(node, region.fp32, region.bf16) if timer else cache.get(key)
+        timed = region.bf16_timed or region.bf16
+        times = timer(node, region.fp32, timed) if timer else cache.get(key)
         if times is None:
-            times = _measure(region.fp32, region.bf16, region.m, region.warm)
+            times = _measure(region.fp32, timed, region.m, region.warm)
             if busy() is None:
                 cache[key] = times
         faster = times["bf16"] <= times["fp32"] * (1 - MARGIN)
@@ -376,6 +378,7 @@ class Region:
     how: str = ""
     kind: str = "gemm"
     warm: dict | None = None  # "fp32" / "bf16" -> the form on a copy of its weight (:func:`_measure`)
+    bf16_timed: Callable | None = None  # the bf16 form as the clock runs it, where that differs from ``bf16``
 
 
 #: opfuse ops with GEMMs inside -> the argument indices of their [N, K] weights; in bf16
@@ -455,17 +458,19 @@ def _bf16_weight(gm: fx.GraphModule, converted: dict, w_arg, rows: int, transpos
     return made[0], attr
 
 
-def _region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict) -> Region | None:
+def _region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict,
+            tol: float = DEFAULT_TOLERANCE) -> Region | None:
     """The bf16 candidate of the site ``node`` on the recorded values ``env``, or None where
     it does not apply (a weight not a parameter / folded copy, an input not float32, no
-    recorded value)."""
+    recorded value). ``tol``: the error budget, for a region with cheaper and dearer bf16
+    forms (attention: unshifted scores where they are accurate enough)."""
     x = env.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() < 2:
         return None
     m = as_int(prod(x.shape[:-1]))
     values = [env.get(a, a) if isinstance(a, fx.Node) else a for a in node.args]
     if node.target is torch.ops.opfuse.attention.default:
-        return _attention_region(node, env, values, m)
+        return _attention_region(node, env, values, m, tol)
     fused = _fused_op(node)
     if fused == "linear_bias_gelu" and m > COLD_ROWS and node.args[3] in GELU_POST_OPS:
         # its bf16 form is oneDNN's GEMM with the GELU post-op (as the unfused GEMM + GELU
@@ -509,29 +514,63 @@ def _region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict) -> Re
     return _gemm_region(gm, node, env, converted, x, m, nodes, b_arg, post, algorithm, kind)
 
 
-def _attention_region(node: fx.Node, env: dict, values: list, m: int) -> Region | None:
-    """opfuse.attention as opfuse.attention_bf16 (bf16 GEMMs with a shifted single rounding
-    of the scores, float32 softmax: :mod:`opfuse.kernels.cpu.attention_bf16`); ``m`` = B·H·Sq
-    rows, reported as m × k (D) × n (Sk)."""
+#: The unshifted bf16 attention is chosen only with its error within this share of the budget.
+UNSHIFTED_SHARE = 0.5
+
+
+def _attention_region(node: fx.Node, env: dict, values: list, m: int, tol: float = DEFAULT_TOLERANCE) -> Region | None:
+    """opfuse.attention as opfuse.attention_bf16 (bf16 GEMMs, float32 softmax:
+    :mod:`opfuse.kernels.cpu.attention_bf16`): with the raw scores rounded (``shift=False``:
+    one GEMM and one pass fewer) where that form's error on the recorded values is within
+    :data:`UNSHIFTED_SHARE` of ``tol`` (its worst case grows with the scores' size, so it
+    keeps a margin for inputs other than the examples), else with the scores rounded after the row max is taken off (the precision pass
+    then compares that one's error with ``tol``). ``m`` = B·H·Sq rows, reported as m × k (D)
+    × n (Sk)."""
+    from .kernels.cpu.attention_bf16 import VERSION as attention_bf16_version
     q, k = values[0], values[1]
     if not isinstance(env.get(node), torch.Tensor) or not isinstance(k, torch.Tensor) or \
             (isinstance(node.args[3], fx.Node) and not isinstance(values[3], torch.Tensor)):
         return None  # (GQA and causal Sq ≠ Sk were left out by _attention_site)
-    from .kernels.cpu.attention_bf16 import VERSION as attention_bf16_version
     low = torch.ops.opfuse.attention_bf16.default
+    with torch.no_grad():
+        shift = not _relative_error(low(*values, False), env[node]) <= UNSHIFTED_SHARE * tol
+    args = node.args
 
     def lower():
         node.target = low
+        node.args = tuple(args) + (() if shift else (False,))
         node.meta["opfuse_precision"] = "bf16"
 
     def restore():
         node.target = torch.ops.opfuse.attention.default
+        node.args = args
         node.meta.pop("opfuse_precision", None)
     d, sk = q.shape[-1], k.shape[-2]
+    form = "shifted" if shift else "unshifted"
+    # timed as the plan would run it: q, k, v in bf16 where each is a view of a GEMM site's
+    # result (then attention_bf16_io feeds the kernel bf16 and takes its bf16 output)
+    fed = all(_producer(a) in _gemm_producers(node) for a in node.args[:3])
+    timed_values = [t.to(torch.bfloat16) if fed and i < 3 else t for i, t in enumerate(values)]
+    form += ", bf16 q/k/v" if fed else ""
     return Region(node, m, as_int(d), as_int(sk), lambda: torch.ops.opfuse.attention.default(*values),
-                  lambda: low(*values), env[node], lower, restore, lambda: None,
-                  f"bf16 attention v{attention_bf16_version} vs opfuse.attention({'x'.join(str(as_int(s)) for s in q.shape)}, Sk={as_int(sk)}, "
-                  f"mask={values[3] is not None}, causal={values[5]})", " GEMMs, float32 softmax", "attention")
+                  lambda: low(*values, shift), env[node], lower, restore, lambda: None,
+                  f"bf16 attention v{attention_bf16_version} {form} vs opfuse.attention("
+                  f"{'x'.join(str(as_int(s)) for s in q.shape)}, Sk={as_int(sk)}, "
+                  f"mask={values[3] is not None}, causal={values[5]})",
+                  f" GEMMs ({'scores rounded after the row max is taken off' if shift else 'raw scores rounded'}), "
+                  "float32 softmax", "attention", bf16_timed=lambda: low(*timed_values, shift))
+
+
+def _producer(a):
+    """The node whose value ``a`` re-indexes (through views and split pieces)."""
+    while _is_view(a):
+        a = a.args[0]
+    return a
+
+
+def _gemm_producers(node: fx.Node) -> set:
+    """The GEMM sites among the graph's nodes (the precision pass may run them in bf16)."""
+    return {n for n in _sites(node.graph.owning_module) if n.target is not torch.ops.opfuse.attention.default}
 
 
 def _gemm_region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict, x: torch.Tensor, m: int,

@@ -28,7 +28,8 @@ def _rel(out, ref):
 
 @pytest.mark.parametrize("shape", [(2, 3, 16, 16, 32), (1, 4, 7, 33, 64), (3, 2, 128, 128, 32)])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive", "causal"])
-def test_against_float64(shape, mask_kind):
+@pytest.mark.parametrize("shift", [True, False])
+def test_against_float64(shape, mask_kind, shift):
     b, h, sq, sk, d = shape
     if mask_kind == "causal" and sq != sk:
         pytest.skip("causal with Sq != Sk runs the float32 kernel")
@@ -42,7 +43,7 @@ def test_against_float64(shape, mask_kind):
     scale = 1 / math.sqrt(d)
     causal = mask_kind == "causal"
     ref = reference.attention(q, k, v, mask, scale, causal)
-    out = attention_bf16(q, k, v, mask, scale, causal)
+    out = attention_bf16(q, k, v, mask, scale, causal, shift)
     assert out.dtype == torch.float32 and out.shape == ref.shape
     # bf16 keeps 8 bits: q, k, v, the shifted scores and P each rounded once
     assert _rel(out, ref) < 2.5e-2
@@ -61,18 +62,45 @@ def test_the_shift_keeps_large_scores_accurate():
     assert _rel(out, ref) < 0.5 * _rel(naive, ref)
 
 
-def test_fully_masked_rows_give_zero_as_sdpa():
+def test_the_unshifted_form_rounds_the_raw_scores():
+    """shift=False: the same error as rounding q·kᵀ to bf16 as it is (large scores: the
+    softmax then takes the row max off itself, no overflow)."""
+    q, k, v = _qkv(1, 2, 64, 64, 32, scale=4.0)
+    scale = 1.0 / math.sqrt(32)
+    ref = reference.attention(q, k, v, None, scale, False)
+    out = attention_bf16(q, k, v, None, scale, False, False)
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    naive = torch.matmul(torch.softmax(torch.matmul(qb, kb.transpose(-1, -2)).float() * scale, -1).bfloat16(), vb)
+    assert torch.isfinite(out).all()
+    assert _rel(out, naive.double()) < 0.25 * _rel(naive.float(), ref)
+
+
+@pytest.mark.parametrize("shift", [True, False])
+def test_a_positive_mask_takes_the_max_off(shift):
+    """An additive mask of +100 on some keys (x far above 0): the softmax subtracts the row
+    max (the one-pass exp(x) would overflow) and matches float64."""
+    q, k, v = _qkv(2, 2, 16, 16, 32)
+    mask = torch.zeros(2, 1, 16, 16)
+    mask[..., ::3] = 100.0
+    ref = reference.attention(q, k, v, mask, 0.2, False)
+    out = attention_bf16(q, k, v, mask, 0.2, False, shift)
+    assert torch.isfinite(out).all() and _rel(out, ref) < 2.5e-2
+
+
+@pytest.mark.parametrize("shift", [True, False])
+def test_fully_masked_rows_give_zero_as_sdpa(shift):
     q, k, v = _qkv(2, 2, 8, 8, 32)
     mask = torch.ones(2, 1, 8, 8, dtype=torch.bool)
     mask[1, 0, 3] = False
-    out = attention_bf16(q, k, v, mask, 0.2, False)
+    out = attention_bf16(q, k, v, mask, 0.2, False, shift)
     f32 = attention_f32(q, k, v, mask, 0.2, False)
     assert torch.equal(out[1, :, 3], torch.zeros_like(out[1, :, 3])) and torch.equal(out[1, :, 3], f32[1, :, 3])
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("bad", ["nan_q", "inf_k", "nan_mask", "gqa"])
-def test_what_it_does_not_compute_runs_the_float32_kernel(bad):
+@pytest.mark.parametrize("shift", [True, False])
+@pytest.mark.parametrize("bad", ["nan_q", "inf_k", "nan_mask", "negative_nan_mask", "inf_mask", "gqa"])
+def test_what_it_does_not_compute_runs_the_float32_kernel(bad, shift):
     q, k, v = _qkv(1, 4, 8, 8, 16)
     mask = None
     if bad == "nan_q":
@@ -82,9 +110,16 @@ def test_what_it_does_not_compute_runs_the_float32_kernel(bad):
     elif bad == "nan_mask":
         mask = torch.zeros(1, 1, 8, 8)
         mask[0, 0, 1, 1] = float("nan")
+    elif bad == "negative_nan_mask":  # sign bit set: below every other value in an order key
+        mask = torch.zeros(1, 1, 8, 8)
+        mask[0, 0, 1, 1] = -torch.tensor(float("nan"))
+        assert mask.view(torch.int32)[0, 0, 1, 1] < 0
+    elif bad == "inf_mask":
+        mask = torch.zeros(1, 1, 8, 8)
+        mask[0, 0, 6, 2] = float("inf")
     else:
         k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
-    out = attention_bf16(q, k, v, mask, 0.25, False)
+    out = attention_bf16(q, k, v, mask, 0.25, False, shift)
     assert torch.equal(out.isnan(), attention_f32(q, k, v, mask, 0.25, False).isnan())
     assert torch.allclose(out, attention_f32(q, k, v, mask, 0.25, False), equal_nan=True, atol=0, rtol=0)
 
@@ -146,3 +181,26 @@ def test_bf16_attention_reads_and_writes_bf16_bit_for_bit(monkeypatch):
         out, kept = P._outputs(gm, loaded.args, loaded.kwargs), P._outputs(gm_kept, loaded.args, loaded.kwargs)
     assert all(torch.equal(a, b) for a, b in zip(out, kept))
     assert out[0].dtype is torch.float32
+
+
+def test_unshifted_scores_where_accurate_enough_else_shifted():
+    """Per layer: the raw scores rounded (shift=False, one GEMM fewer) where that error is
+    within half the budget; a layer with large scores (query weights ×200) gets the shifted
+    form; both decided on the recorded values, both reported."""
+    import opfuse
+    from opfuse.models import load
+    loaded = load("bert-tiny", batch=2, seq=16)
+    with torch.no_grad():
+        loaded.model.encoder.layer[0].attention.self.query.weight.mul_(200.0)
+    fused = opfuse.optimize(loaded.model, loaded.args, example_kwargs=loaded.kwargs, decide="rho")
+    gm = next(iter(fused._plans.values())).gm
+    info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER, tolerance=2e-2)
+    att = [g for g in info["gemms"] if g["region"] == "attention"]
+    assert [g["precision"] for g in att] == ["bf16", "bf16"]
+    assert "row max is taken off" in att[0]["reason"] and "raw scores" in att[1]["reason"]
+    nodes = [n for n in gm.graph.nodes if n.target is torch.ops.opfuse.attention_bf16.default]
+    assert [len(n.args) == 7 and n.args[6] is False for n in nodes] == [False, True]
+    with torch.no_grad():
+        out = P._outputs(gm, loaded.args, loaded.kwargs)[0]
+        ref = loaded.model(*loaded.args, **loaded.kwargs)[0]
+    assert _rel(out, ref.double()) < 5e-2

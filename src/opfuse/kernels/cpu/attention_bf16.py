@@ -22,7 +22,10 @@ float32 kernel (:mod:`opfuse.kernels.cpu.attention`), so NaN positions are eager
 masked row gives 0, as ATen SDPA. GQA (Hkv < H) and causal with Sq ≠ Sk run the float32
 kernel (not measured faster here).
 
-FLOPs: 6·B·H·Sq·Sk·D (three GEMMs; the first only for the shift); traffic: read q, k, v (+mask),
+``shift=False`` skips S₁ and the row max: S = q·kᵀ rounded as it is (the softmax then takes
+the max off itself, as without the shift its scores can be large).
+
+FLOPs: 6·B·H·Sq·Sk·D (three GEMMs; the first only for the shift; 4·… unshifted); traffic: read q, k, v (+mask),
 2 + 2 + 2 bytes per score (S₁, S, P), write out.
 """
 
@@ -42,8 +45,9 @@ from opfuse.kernels.cpu.attention import attention as attention_f32
 from opfuse.kernels.registry import register
 
 #: In the precision pass's timing-cache key (opfuse.precision): a changed kernel is timed again.
-VERSION = 3
+VERSION = 4
 _NEG_INF = np.float32(-np.inf)
+_INF = np.float32(np.inf)
 _KEEP = np.float32(-1e4)  # an additive mask entry above this counts as kept for the shift's max
 _EXP_MIN = np.float32(-87.0)
 _NO_SHIFT_MAX = np.float32(60.0)  # exp(x) without the max taken off: safe while max x ≤ 60 (Σ ≤ Sk·e⁶⁰ ≪ 3.4e38)
@@ -120,6 +124,7 @@ def _softmax_rows(s, mask, mrow, has_mask, causal, scale, p, bad):
             # max reduction did not vectorise: 0.43 ms per 1.6M scores against 0.11).
             best = np.uint32(0)
             expo = np.uint32(0)
+            nan = np.uint32(0)
             total = _Z
             for j in range(Sk):
                 u = s[r, j]
@@ -130,12 +135,13 @@ def _softmax_rows(s, mask, mrow, has_mask, causal, scale, p, bad):
                 v = v if j < n else _NEG_INF
                 x[j] = v
                 best = _math.umax32(best, _math.order_key(v))
+                nan = _math.umax32(nan, np.uint32(v != v))  # a NaN with its sign bit set keys below −inf
                 w = _math.exp_f32(v)
                 w = w if v > _EXP_MIN else _Z
                 e[j] = w
                 total += w
             mx = _math.from_order_key(best)
-            if expo == _EXPO:  # a NaN / ±inf score
+            if expo == _EXPO or nan or not mx < _INF:  # a NaN / ±inf score, a NaN / +inf mask entry
                 bad[r] = 1
                 continue
             if mx == _NEG_INF:  # fully masked row: 0, as ATen SDPA
@@ -181,28 +187,28 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy().view(np.uint16)
 
 
-def _mask_rows(mask: torch.Tensor | None, b: int, h: int, sq: int, sk: int) -> tuple[np.ndarray, np.ndarray, bool] | None:
-    """(additive float32 mask rows [Rm, Sk], row index [B·H·Sq] int64 into them, has_mask);
-    None when the mask holds NaN or +inf (the float32 kernel then gives eager's NaNs)."""
+def _mask_rows(mask: torch.Tensor | None, b: int, h: int, sq: int, sk: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(additive float32 mask rows [Rm, Sk], row index [B·H·Sq] int64 into them, has_mask),
+    the index built in numpy (a dozen small torch ops cost ~0.2 ms a call here). A NaN or
+    +inf entry is not looked for here: the softmax pass flags its row (x is then NaN/+inf)
+    and the float32 kernel runs, which gives eager's NaNs."""
     rows = b * h * sq
     if mask is None:
         return np.zeros((1, sk), np.float32), np.zeros(rows, np.int64), False
     m = mask.detach()
     if m.dtype == torch.bool:
         m = torch.zeros(m.shape, dtype=torch.float32).masked_fill_(~m, float("-inf"))
-    else:
+    elif m.dtype != torch.float32:
         m = m.float()
-        if bool(torch.isnan(m).any()) or bool((m == float("inf")).any()):
-            return None
     while m.dim() < 4:
         m = m.unsqueeze(0)
     mb, mh, mq = m.shape[:3]
     m = m.expand(mb, mh, mq, sk).contiguous().view(mb * mh * mq, sk)
-    ib = torch.arange(b).view(b, 1, 1) if mb > 1 else torch.zeros(1, 1, 1, dtype=torch.long)
-    ih = torch.arange(h).view(1, h, 1) if mh > 1 else torch.zeros(1, 1, 1, dtype=torch.long)
-    iq = torch.arange(sq).view(1, 1, sq) if mq > 1 else torch.zeros(1, 1, 1, dtype=torch.long)
-    idx = ((ib * mh + ih) * mq + iq).expand(b, h, sq).reshape(rows)
-    return m.numpy(), idx.numpy(), True
+    ib = np.arange(b).reshape(b, 1, 1) if mb > 1 else 0
+    ih = np.arange(h).reshape(1, h, 1) if mh > 1 else 0
+    iq = np.arange(sq).reshape(1, 1, sq) if mq > 1 else 0
+    idx = np.broadcast_to((ib * mh + ih) * mq + iq, (b, h, sq)).reshape(rows).astype(np.int64)
+    return m.numpy(), idx, True
 
 
 @register("attention_bf16", "cpu")
@@ -213,19 +219,21 @@ def attention_bf16(
     mask: torch.Tensor | None,
     scale: float,
     is_causal: bool,
+    shift: bool = True,
 ) -> torch.Tensor:
     """Scaled dot-product attention with bf16 GEMMs (module docstring); q [B,H,Sq,D],
     k [B,Hkv,Sk,D], v [B,Hkv,Sk,Dv] float32 (or bf16), mask None or broadcastable to
     [B,H,Sq,Sk] (bool, True = keep, or additive float) -> [B,H,Sq,Dv] in q's dtype.
-    Raises ValueError (named) as :func:`opfuse.kernels.cpu.attention.attention`."""
+    ``shift=False`` rounds the raw scores q·kᵀ (one GEMM fewer, no row-max pass; error
+    |s|·2⁻⁹ per score instead of |s − max|·2⁻⁹): the precision pass picks it per layer
+    where its measured error is within budget. Raises ValueError (named) as
+    :func:`opfuse.kernels.cpu.attention.attention`."""
     b, h, hkv, sq, sk, d, dv = check_attention(q, k, v, device_type="cpu")
     if mask is not None:
         check_attention_mask(mask, q, (b, h, sq, sk), is_causal, device_type="cpu")
     if hkv != h or (is_causal and sq != sk) or not (b * h * sq * sk):
         return attention_f32(q, k, v, mask, scale, is_causal)
     rows = _mask_rows(mask, b, h, sq, sk)
-    if rows is None:
-        return attention_f32(q, k, v, mask, scale, is_causal)
     ws = _workspace(b * h, sq, sk, d, dv)
     qb = ws["q"]
     qb.view(b, h, sq, d).copy_(q.detach())
@@ -237,10 +245,13 @@ def attention_bf16(
     maskf, mrow, has_mask = rows
     causal = sq if is_causal else 0
     work = b * h * sq * sk
-    s1 = torch.bmm(qb, kt, out=ws["s1"])  # [BH, Sq, Sk] bf16
-    shift = ws["shift"]
-    launch(_row_max, work)(_bits(s1).reshape(-1, sk), maskf, mrow, has_mask, causal, _bits(shift))
-    s = torch.baddbmm(shift.view(b * h, sq, 1).expand(b * h, sq, sk), qb, kt, out=ws["s"])  # q·kᵀ − m, one rounding
+    if shift:
+        s1 = torch.bmm(qb, kt, out=ws["s1"])  # [BH, Sq, Sk] bf16
+        m = ws["shift"]
+        launch(_row_max, work)(_bits(s1).reshape(-1, sk), maskf, mrow, has_mask, causal, _bits(m))
+        s = torch.baddbmm(m.view(b * h, sq, 1).expand(b * h, sq, sk), qb, kt, out=ws["s"])  # q·kᵀ − m, one rounding
+    else:  # the raw scores rounded (error |s|·2⁻⁹): for layers whose scores are small (precision decides)
+        s = torch.bmm(qb, kt, out=ws["s"])
     p = ws["p"]
     bad = np.zeros(b * h * sq, np.uint8)
     launch(_softmax_rows, work)(_bits(s).reshape(-1, sk), maskf, mrow, has_mask, causal, np.float32(scale),
