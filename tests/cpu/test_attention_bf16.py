@@ -204,3 +204,25 @@ def test_unshifted_scores_where_accurate_enough_else_shifted():
         out = P._outputs(gm, loaded.args, loaded.kwargs)[0]
         ref = loaded.model(*loaded.args, **loaded.kwargs)[0]
     assert _rel(out, ref.double()) < 5e-2
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "causal"])
+def test_chunks_of_heads_cover_every_head(mask_kind):
+    """12 heads of 256×256 scores go through in chunks of 8 (1 MB of bf16 scores each), the
+    last one partial; each head's mask rows and causal rows line up with its chunk; a NaN in
+    the last head (second chunk) still hands the call to the float32 kernel."""
+    from opfuse.kernels.cpu import attention_bf16 as kernel
+    assert kernel._heads_per_chunk(256, 256) == 8
+    b, h, s, d = 3, 4, 256, 16
+    q, k, v = _qkv(b, h, s, s, d)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(b, 1, 1, s, generator=torch.Generator().manual_seed(2)) > 0.5
+        mask[..., 0] = True
+    causal = mask_kind == "causal"
+    ref = reference.attention(q, k, v, mask, 0.25, causal)
+    for shift in (True, False):
+        assert _rel(attention_bf16(q, k, v, mask, 0.25, causal, shift), ref) < 2.5e-2
+    q[2, 3, 100, 0] = float("nan")
+    out, f32 = attention_bf16(q, k, v, mask, 0.25, causal), attention_f32(q, k, v, mask, 0.25, causal)
+    assert out.isnan().any() and torch.allclose(out, f32, equal_nan=True, atol=0, rtol=0)
