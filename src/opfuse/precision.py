@@ -413,6 +413,9 @@ def _sites(gm: fx.GraphModule) -> list[fx.Node]:
     and the opfuse ops of :data:`FUSED_WEIGHTS`."""
     out = []
     for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is _SDPA and _attention_site(n):
+            out.append(n)
+            continue
         if n.op != "call_function" or n.kwargs:
             continue
         if n.target in (aten.linear.default, torch.ops.opfuse.linear_gemv.default) or (
@@ -425,16 +428,45 @@ def _sites(gm: fx.GraphModule) -> list[fx.Node]:
     return out
 
 
+_SDPA = aten.scaled_dot_product_attention.default
+_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _attention_call(n: fx.Node) -> tuple | None:
+    """``(q, k, v, mask, scale, is_causal)`` of an opfuse.attention node, or of an ATen SDPA
+    node (a model run with attn_implementation="sdpa": its keyword arguments read, the
+    default scale 1/√D filled in) without dropout or ``enable_gqa``; None otherwise."""
+    if n.op != "call_function":
+        return None
+    if n.target is torch.ops.opfuse.attention.default:
+        return tuple(n.args[:6])
+    if n.target is not _SDPA:
+        return None
+    call = dict(zip(_SDPA_PARAMS, n.args)) | dict(n.kwargs)
+    if set(call) - set(_SDPA_PARAMS) or call.get("dropout_p", 0.0) != 0.0 or call.get("enable_gqa", False):
+        return None
+    scale = call.get("scale")
+    if scale is None:
+        q = call["query"].meta.get("val") if isinstance(call["query"], fx.Node) else None
+        if not isinstance(q, torch.Tensor) or not isinstance(q.shape[-1], int):
+            return None
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return (call["query"], call["key"], call["value"], call.get("attn_mask"), float(scale),
+            bool(call.get("is_causal", False)))
+
+
 def _attention_site(n: fx.Node) -> bool:
-    """opfuse.attention that opfuse.attention_bf16 computes (no GQA; causal only with
-    Sq = Sk), by the nodes' recorded shapes."""
-    if n.target is not torch.ops.opfuse.attention.default:
+    """An attention (opfuse.attention or ATen SDPA, :func:`_attention_call`) that
+    opfuse.attention_bf16 computes (no GQA; causal only with Sq = Sk), by the nodes'
+    recorded shapes."""
+    call = _attention_call(n)
+    if call is None:
         return False
-    q, k = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in n.args[:2])
-    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
+    q, k = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in call[:2])
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)) or q.dim() != 4:
         return False
     try:
-        return bool(q.shape[1] == k.shape[1]) and not (n.args[5] and bool(q.shape[-2] != k.shape[-2]))
+        return bool(q.shape[1] == k.shape[1]) and not (call[5] and bool(q.shape[-2] != k.shape[-2]))
     except Exception:  # a symbolic shape the comparison cannot decide: not a site
         return False
 
@@ -478,9 +510,10 @@ def _region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict,
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() < 2:
         return None
     m = as_int(prod(x.shape[:-1]))
+    if _attention_site(node):
+        call = _attention_call(node)
+        return _attention_region(node, env, call, [env.get(a, a) if isinstance(a, fx.Node) else a for a in call], m, tol)
     values = [env.get(a, a) if isinstance(a, fx.Node) else a for a in node.args]
-    if node.target is torch.ops.opfuse.attention.default:
-        return _attention_region(node, env, values, m, tol)
     fused = _fused_op(node)
     if fused == "linear_bias_gelu" and m > COLD_ROWS and node.args[3] in GELU_POST_OPS:
         # its bf16 form is oneDNN's GEMM with the GELU post-op (as the unfused GEMM + GELU
@@ -528,8 +561,10 @@ def _region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict,
 UNSHIFTED_SHARE = 0.5
 
 
-def _attention_region(node: fx.Node, env: dict, values: list, m: int, tol: float = DEFAULT_TOLERANCE) -> Region | None:
-    """opfuse.attention as opfuse.attention_bf16 (bf16 GEMMs, float32 softmax:
+def _attention_region(node: fx.Node, env: dict, call: tuple, values: list, m: int,
+                      tol: float = DEFAULT_TOLERANCE) -> Region | None:
+    """An attention (``call`` = (q, k, v, mask, scale, is_causal) nodes / constants,
+    ``values`` theirs recorded: :func:`_attention_call`) as opfuse.attention_bf16 (bf16 GEMMs, float32 softmax:
     :mod:`opfuse.kernels.cpu.attention_bf16`): with the raw scores rounded (``shift=False``:
     one GEMM and one pass fewer) where that form's error on the recorded values is within
     :data:`UNSHIFTED_SHARE` of ``tol`` (its worst case grows with the scores' size, so it
@@ -539,46 +574,54 @@ def _attention_region(node: fx.Node, env: dict, values: list, m: int, tol: float
     from .kernels.cpu.attention_bf16 import VERSION as attention_bf16_version
     q, k = values[0], values[1]
     if not isinstance(env.get(node), torch.Tensor) or not isinstance(k, torch.Tensor) or \
-            (isinstance(node.args[3], fx.Node) and not isinstance(values[3], torch.Tensor)):
+            (isinstance(call[3], fx.Node) and not isinstance(values[3], torch.Tensor)):
         return None  # (GQA and causal Sq ≠ Sk were left out by _attention_site)
     low = torch.ops.opfuse.attention_bf16.default
     # q, k, v from GEMM sites: once those run in bf16 they arrive rounded to bf16, and what
     # this region adds is its error on those rounded values (measured on MiniLM: the shifted
     # form's error from float32 inputs, 1.3e-2 in layer 0, is the float32 kernel's own on
     # bf16-rounded q, k, v, 1.4e-2; the rounding is the GEMMs' and is in their error)
-    producers = tuple(_producer(a) for a in node.args[:3])
+    producers = tuple(_producer(a) for a in call[:3])
     sites = _gemm_producers(node)
     fed = all(p in sites for p in producers)
     rounded = [t.to(torch.bfloat16).to(t.dtype) if fed and i < 3 else t for i, t in enumerate(values)]
     with torch.no_grad():
         ref_r = torch.ops.opfuse.attention.default(*rounded) if fed else env[node]
         shift = not _relative_error(low(*rounded, False), ref_r) <= UNSHIFTED_SHARE * tol
-    args = node.args
+    target, args, kwargs = node.target, node.args, node.kwargs
 
     def lower():
         node.target = low
-        node.args = tuple(args) + (() if shift else (False,))
+        node.args = tuple(call) + (() if shift else (False,))
+        node.kwargs = {}
         node.meta["opfuse_precision"] = "bf16"
 
     def restore():
-        node.target = torch.ops.opfuse.attention.default
-        node.args = args
+        node.target, node.args, node.kwargs = target, args, kwargs
         node.meta.pop("opfuse_precision", None)
+
+    def fp32():  # the node as the float32 plan runs it
+        return target(*[env.get(a, a) if isinstance(a, fx.Node) else a for a in args],
+                      **{kk: env.get(a, a) if isinstance(a, fx.Node) else a for kk, a in kwargs.items()})
     d, sk = q.shape[-1], k.shape[-2]
     form = "shifted" if shift else "unshifted"
     # timed as the plan would run it: q, k, v in bf16 where each is a view of a GEMM site's
     # result (then attention_bf16_io feeds the kernel bf16 and takes its bf16 output)
     timed_values = [t.to(torch.bfloat16) if fed and i < 3 else t for i, t in enumerate(values)]
     form += ", bf16 q/k/v" if fed else ""
-    return Region(node, m, as_int(d), as_int(sk), lambda: torch.ops.opfuse.attention.default(*values),
+    return Region(node, m, as_int(d), as_int(sk), fp32,
                   lambda: low(*values, shift), env[node], lower, restore, lambda: None,
-                  f"bf16 attention v{attention_bf16_version} {form} vs opfuse.attention("
+                  f"bf16 attention v{attention_bf16_version} {form} vs {_op_name(target)}("
                   f"{'x'.join(str(as_int(s)) for s in q.shape)}, Sk={as_int(sk)}, "
                   f"mask={values[3] is not None}, causal={values[5]})",
                   f" GEMMs ({'scores rounded after the row max is taken off' if shift else 'raw scores rounded'}), "
                   "float32 softmax", "attention", bf16_timed=lambda: low(*timed_values, shift),
                   own_error=(lambda: _relative_error(low(*rounded, shift), ref_r)) if fed else None,
                   fed_by=producers if fed else ())
+
+
+def _op_name(target) -> str:
+    return "opfuse.attention" if target is torch.ops.opfuse.attention.default else "aten SDPA"
 
 
 def _producer(a):
@@ -590,7 +633,7 @@ def _producer(a):
 
 def _gemm_producers(node: fx.Node) -> set:
     """The GEMM sites among the graph's nodes (the precision pass may run them in bf16)."""
-    return {n for n in _sites(node.graph.owning_module) if n.target is not torch.ops.opfuse.attention.default}
+    return {n for n in _sites(node.graph.owning_module) if _attention_call(n) is None}
 
 
 def _gemm_region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict, x: torch.Tensor, m: int,

@@ -251,3 +251,47 @@ def test_chunks_of_heads_cover_every_head(mask_kind):
     q[2, 3, 100, 0] = float("nan")
     out, f32 = attention_bf16(q, k, v, mask, 0.25, causal), attention_f32(q, k, v, mask, 0.25, causal)
     assert out.isnan().any() and torch.allclose(out, f32, equal_nan=True, atol=0, rtol=0)
+
+
+def test_aten_sdpa_nodes_are_precision_sites_too():
+    """A plan can keep ATen's SDPA nodes (attn_implementation="sdpa" where the time gate
+    refuses opfuse.attention; keyword arguments, the default scale): they become
+    opfuse.attention_bf16 like opfuse.attention, within the same budget, and the plan's
+    output stays within it of eager's."""
+    loaded, gm = _plan()
+    sdpa = [n for n in gm.graph.nodes if n.target is torch.ops.opfuse.attention.default]
+    assert len(sdpa) == 2
+    for i, n in enumerate(sdpa):  # back to the ATen node a plan keeps where the time gate refuses the fusion
+        q, k, v, mask, scale, causal = n.args
+        assert not causal and scale == pytest.approx(1 / math.sqrt(q.meta["val"].shape[-1]))  # the default scale
+        n.target, n.args, n.kwargs = torch.ops.aten.scaled_dot_product_attention.default, (q, k, v), (
+            {"attn_mask": mask, "scale": scale} if i == 0 else {"attn_mask": mask})
+    gm.recompile()
+    assert all(P._attention_site(n) for n in sdpa)
+    info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER)
+    att = [g for g in info["gemms"] if g["region"] == "attention"]
+    assert len(att) == len(sdpa) and all(g["precision"] == "bf16" for g in att)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.opfuse.attention_bf16.default) == len(sdpa)
+    assert torch.ops.aten.scaled_dot_product_attention.default not in targets
+    with torch.no_grad():
+        out = P._outputs(gm, loaded.args, loaded.kwargs)[0]
+        ref = loaded.model(*loaded.args, **loaded.kwargs)[0]
+    assert _rel(out, ref.double()) < 2e-2
+
+
+def test_sdpa_with_dropout_or_gqa_is_not_a_site():
+    """_attention_call reads SDPA's arguments; dropout or enable_gqa: not computed in bf16."""
+    from torch import fx
+    g = fx.Graph()
+    q, k, v = (g.placeholder(n) for n in "qkv")
+    for node in (q, k, v):
+        node.meta["val"] = torch.empty(1, 2, 4, 16)
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    plain = g.call_function(sdpa, (q, k, v), {"is_causal": True})
+    drop = g.call_function(sdpa, (q, k, v, None, 0.1))
+    gqa = g.call_function(sdpa, (q, k, v), {"enable_gqa": True})
+    assert P._attention_call(plain) == (q, k, v, None, 0.25, True)  # the default scale 1/√16
+    assert P._attention_site(plain)
+    assert P._attention_call(drop) is None and P._attention_call(gqa) is None
+    assert not P._attention_site(drop) and not P._attention_site(gqa)
