@@ -24,8 +24,12 @@ checked against the float32 plan and regions are put back to float32 until it pa
       └─ end to end vs the float32 plan: max|Δ| / max(1, max|ref|) ≤ E2E_FACTOR · tolerance
          and the cosine of every floating output ≥ COSINE_MIN; otherwise the regions with
          the largest errors go back to float32 (half of them per round) until it passes
-      └─ elide_casts: a bf16 result that only goes back to bf16 (GELU region → next GEMM,
-         through views) skips its float32 round trip (exact: same bits)
+      └─ attention_bf16_io + elide_casts: a bf16 result that only goes back to bf16 (GELU
+         region → next GEMM, QKV GEMM → bf16 attention → output projection, through views
+         and splits) skips its float32 round trip (exact: same bits)
+      └─ fuse_add_layernorm_bf16: →float32(bf16 GEMM) + residual → layer_norm → bf16 becomes
+         one opfuse.add_layernorm_bf16 (float32 out for the residual stream, bf16 out for
+         the next GEMM); not exact, so the whole model is checked again (undone if over)
 
 Attention (opfuse.attention, H = Hkv) is a region too: opfuse.attention_bf16 runs q·kᵀ and
 P·v as oneDNN bf16 batched GEMMs, the raw scores rounded to bf16 where that is within budget
@@ -337,6 +341,15 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
         region.finish()
     info["attention_bf16_io"] = attention_bf16_io(gm) if chosen else 0
     info["casts_removed"] = elide_casts(gm) if chosen else 0
+    info["add_layernorm_bf16"] = 0
+    done = fuse_add_layernorm_bf16(gm) if chosen else []
+    if done:  # not exact: the whole model is checked again, and the fusion undone if over budget
+        gm.recompile()
+        check = end_to_end(_outputs(gm, args, kwargs), ref)
+        if check["max_error"] <= E2E_FACTOR * tol and check["min_cosine"] >= COSINE_MIN:
+            info["add_layernorm_bf16"], info["end_to_end"] = len(done), check
+        else:
+            _unfuse_add_layernorm_bf16(gm, done)
     from .rewrite import drop_unused_parameters, is_impure
     gm.graph.eliminate_dead_code(is_impure_node=is_impure)  # keeps a dynamic plan's assertions
     drop_unused_parameters(gm)
@@ -878,3 +891,61 @@ def attention_bf16_io(gm: fx.GraphModule) -> int:
         node.meta["opfuse_precision"] = "bf16"
         changed += 1
     return changed
+
+
+def fuse_add_layernorm_bf16(gm: fx.GraphModule) -> list[tuple]:
+    """The bf16 plan's SkipLayerNorm: ``layer_norm(→float32(t) + r)`` with ``t`` a bf16 GEMM's
+    result and ``r`` float32 of the same shape becomes opfuse.add_layernorm_bf16(t, r, ...):
+    its float32 output replaces the LayerNorm's, its bf16 output the ``→bf16`` casts of it (the
+    next GEMM's input). Not exact (its own float32 statistics: ~1e-7 from ATen's), so the
+    caller checks the whole model again and :func:`_unfuse_add_layernorm_bf16` undoes it.
+    The replaced nodes stay until then. Returns the undo records."""
+    done = []
+    for ln in list(gm.graph.nodes):
+        if ln.op != "call_function" or ln.target is not aten.layer_norm.default or ln.kwargs:
+            continue
+        a = ln.args[0]
+        if not (isinstance(a, fx.Node) and a.op == "call_function" and a.target is aten.add.Tensor
+                and len(a.args) == 2 and not a.kwargs and len(a.users) == 1):
+            continue
+        pick = [(c, r) for c, r in ((a.args[0], a.args[1]), (a.args[1], a.args[0]))
+                if _bf16_result(c) and len(c.users) == 1 and isinstance(r, fx.Node)]
+        if not pick:
+            continue
+        c, r = pick[0]
+        va, vr = a.meta.get("val"), r.meta.get("val")
+        shape, w = ln.args[1], ln.args[2] if len(ln.args) > 2 else None
+        b = ln.args[3] if len(ln.args) > 3 else None
+        eps = ln.args[4] if len(ln.args) > 4 else 1e-5
+        try:
+            same = (isinstance(va, torch.Tensor) and isinstance(vr, torch.Tensor) and vr.dtype == torch.float32
+                    and va.dtype == torch.float32 and bool(tuple(va.shape) == tuple(vr.shape))
+                    and list(shape) == [va.shape[-1]])
+        except Exception:  # a symbolic shape the comparison cannot decide
+            same = False
+        if not same or w is None:
+            continue
+        with gm.graph.inserting_before(ln):
+            fused = gm.graph.call_function(torch.ops.opfuse.add_layernorm_bf16.default, (c.args[0], r, w, b, eps))
+            y = gm.graph.call_function(operator.getitem, (fused, 0))
+            yb = gm.graph.call_function(operator.getitem, (fused, 1))
+        for n in (fused, y, yb):
+            n.meta["opfuse_precision"] = "bf16"
+        y.meta["val"] = ln.meta.get("val")
+        ln.replace_all_uses_with(y)
+        casts = [u for u in list(y.users) if _is_cast(u, torch.bfloat16)]
+        for u in casts:
+            u.replace_all_uses_with(yb)
+        done.append((ln, fused, y, yb, casts))
+    return done
+
+
+def _unfuse_add_layernorm_bf16(gm: fx.GraphModule, done: list[tuple]) -> None:
+    """Undo :func:`fuse_add_layernorm_bf16`: the LayerNorms and casts it replaced are used again."""
+    for ln, fused, y, yb, casts in reversed(done):
+        for u in casts:
+            yb.replace_all_uses_with(u)
+            break
+        y.replace_all_uses_with(ln)
+        for n in (yb, y, fused):
+            gm.graph.erase_node(n)

@@ -115,6 +115,29 @@ def check_add_layernorm(
     return check_row_affine(op, x, weight, bias)
 
 
+def check_add_layernorm_bf16(
+    x: torch.Tensor,  # [..., N] bf16
+    residual: torch.Tensor,  # [..., N] float32
+    weight: torch.Tensor,  # [N] float32
+    bias: torch.Tensor | None,  # [N] float32
+    *,
+    device_type: DeviceType,
+) -> int:
+    """The bf16 plan's SkipLayerNorm: x bf16 (a bf16 GEMM's output), residual float32 of
+    x's shape, weight / bias float32 [N]. Returns N."""
+    op = "add_layernorm_bf16"
+    check_tensor(op, "x", x, device_type=device_type)
+    check_tensor(op, "residual", residual, device_type=device_type)
+    check_tensor(op, "weight", weight, device_type=device_type)
+    if bias is not None:
+        check_tensor(op, "bias", bias, device_type=device_type)
+    if x.dtype != torch.bfloat16 or residual.dtype != torch.float32:
+        raise ValueError(f"opfuse.{op}: x must be bfloat16 and residual float32, got {x.dtype} and {residual.dtype}")
+    check_same(op, residual=residual, weight=weight, bias=bias)
+    check_shape(op, "residual", residual, tuple(x.shape))
+    return check_row_affine(op, x, weight, bias)
+
+
 def check_broadcast_rows(op: str, name: str, t: torch.Tensor, x: torch.Tensor) -> None:
     """``t`` broadcasts to ``x``'s shape over the leading dims only (same last dim; e.g.
     position embeddings [1, S, E] added to [B, S, E]): the kernels expand it row-wise."""
@@ -402,6 +425,7 @@ def _attention_call(q, k, v, mask, scale, is_causal, shift=True, *, device_type)
 OP_CHECKS = {
     "add_layernorm": lambda x, r, w, b, eps, **d: check_add_layernorm(x, r, w, b, **d),
     "add_layernorm_sum": lambda x, r, w, b, eps, **d: check_add_layernorm(x, r, w, b, **d),
+    "add_layernorm_bf16": lambda x, r, w, b, eps, **d: check_add_layernorm_bf16(x, r, w, b, **d),
     "layernorm_gelu": lambda x, w, b, eps, a, **d: check_layernorm_gelu(x, w, b, a, **d),
     "linear_bias_gelu": lambda x, w, b, a, **d: check_linear_bias_gelu(x, w, b, a, **d),
     "linear_residual": lambda x, w, b, r, **d: check_linear_residual(x, w, b, r, **d),

@@ -6,6 +6,7 @@ op and imports the CPU kernels (which register themselves).
 
     opfuse::add_layernorm(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> Tensor
     opfuse::add_layernorm_sum(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> (Tensor, Tensor)
+    opfuse::add_layernorm_bf16(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> (Tensor, Tensor)
     opfuse::layernorm_gelu(Tensor x, Tensor weight, Tensor? bias, float eps, str approximate) -> Tensor
     opfuse::linear_bias_gelu(Tensor x, Tensor weight, Tensor bias, str approximate) -> Tensor
     opfuse::linear_residual(Tensor x, Tensor weight, Tensor? bias, Tensor residual) -> Tensor
@@ -53,6 +54,7 @@ TRITON_UNAVAILABLE: str | None = _register_triton()  # None when the Triton back
 SCHEMAS: dict[str, str] = {
     "add_layernorm": "(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> Tensor",
     "add_layernorm_sum": "(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> (Tensor, Tensor)",
+    "add_layernorm_bf16": "(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> (Tensor, Tensor)",
     "layernorm_gelu": "(Tensor x, Tensor weight, Tensor? bias, float eps, str approximate) -> Tensor",
     "linear_bias_gelu": "(Tensor x, Tensor weight, Tensor bias, str approximate) -> Tensor",
     "linear_residual": "(Tensor x, Tensor weight, Tensor? bias, Tensor residual) -> Tensor",
@@ -106,6 +108,18 @@ def add_layernorm_sum(
 def _(x, residual, weight, bias, eps):
     like = dict(memory_format=torch.contiguous_format)
     return torch.empty_like(x, **like), torch.empty_like(x, **like)
+
+
+@_op("add_layernorm_bf16")  # precision="bf16": bf16 GEMM output + float32 residual (kernels/cpu/add_layernorm_bf16.py)
+def add_layernorm_bf16(
+    x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor]:
+    return lookup("add_layernorm_bf16", x.device.type)(x, residual, weight, bias, eps)
+
+
+@add_layernorm_bf16.register_fake
+def _(x, residual, weight, bias, eps):
+    return x.new_empty(x.shape, dtype=torch.float32), x.new_empty(x.shape, dtype=torch.bfloat16)
 
 
 # --- layernorm_gelu --------------------------------------------------------------------
@@ -323,6 +337,7 @@ def warm_up() -> None:
     x, res, w, b = r(2, 8), r(2, 8), r(8), r(8)
     lookup("add_layernorm", "cpu")(x, res, w, b, 1e-5, True)
     lookup("add_layernorm", "cpu")(x, res, w, None, 1e-5, False)
+    lookup("add_layernorm_bf16", "cpu")(x.to(torch.bfloat16), res, w, b, 1e-5)
     for approximate in ("none", "tanh"):
         lookup("layernorm_gelu", "cpu")(x, w, b, 1e-5, approximate)
         lookup("linear_bias_gelu", "cpu")(x, r(4, 8), r(4), approximate)

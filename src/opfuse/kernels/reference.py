@@ -49,6 +49,12 @@ def add_layernorm(x, residual, weight, bias, eps: float, emit_sum: bool):
     return layer_norm(s, weight, bias, eps), (s if emit_sum else None)
 
 
+def add_layernorm_bf16(x, residual, weight, bias, eps: float):
+    """The float64 SkipLayerNorm (both outputs: the bf16 one's tolerance covers its rounding)."""
+    out = layer_norm(_d(x) + _d(residual), weight, bias, eps)
+    return out, out
+
+
 def layernorm_gelu(x, weight, bias, eps: float, approximate: str) -> torch.Tensor:
     return gelu(layer_norm(x, weight, bias, eps), approximate)
 

@@ -2,6 +2,7 @@
 
 from opfuse.kernels.cpu import (  # noqa: F401  (imported for their @register side effect)
     add_layernorm,
+    add_layernorm_bf16,
     add_rmsnorm,
     attention,
     attention_bf16,

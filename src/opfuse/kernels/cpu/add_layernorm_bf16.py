@@ -1,0 +1,78 @@
+"""add_layernorm_bf16: the SkipLayerNorm of a bf16 plan, out = LayerNorm(x + residual)·w + b,
+from a bf16 GEMM's output x, written twice: float32 (the residual stream) and bf16 (the next
+GEMM's input).
+
+    x (bf16) ─┐
+              add ── shift ── mean/var ── normalise ──┬──► out   [..., N] float32
+    r (f32) ──┘                                      └──► out_b [..., N] bf16 (round to nearest even)
+
+In a bf16 plan the same step ran as four ATen ops: x → float32, + residual, layer_norm, → bf16
+(read 2 + 8 + 4 + 4, write 4 + 4 + 4 + 2 bytes per element); here read 2 + 4, write 4 + 2.
+The statistics are float32 with the row shift of :mod:`opfuse.kernels.cpu.add_layernorm`
+(y_j = (x_j − x_0) + (r_j − r_0), exact differences; mean and variance of y; Welford-free
+two-pass, as the float32 kernel). NaN stays NaN in both outputs (bf16 0x7FC0).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from opfuse.kernels.checks import check_add_layernorm_bf16
+from opfuse.kernels.cpu import _math
+from opfuse.kernels.cpu._launch import f32_vec, launch
+from opfuse.kernels.registry import register
+
+_BF16_NAN = np.uint16(0x7FC0)
+
+
+@njit(fastmath=_math._APPLY, error_model="numpy", cache=True)
+def _row_add_shift(x, r, i, y):  # x: [M, N] uint16 bf16 bits, r: [M, N] f32, row i; y: [N] out
+    x0 = _math.bf16_to_f32(x[i, 0])
+    r0 = r[i, 0]
+    for j in range(y.shape[0]):  # read 2N + 4N, write 4N
+        y[j] = (_math.bf16_to_f32(x[i, j]) - x0) + (r[i, j] - r0)
+
+
+@njit(fastmath=_math._APPLY, error_model="numpy", cache=True)
+def _row_round(y, ob, i):  # ob[i, j] = bf16 bits of y[j]; NaN → the quiet NaN
+    for j in range(y.shape[0]):
+        v = y[j]
+        u = _math.f32_to_bf16(v)
+        ob[i, j] = u if v == v else _BF16_NAN
+
+
+@njit(parallel=True, error_model="numpy", cache=True)
+def _add_layernorm_bf16_kernel(x, r, w, b, eps, out, ob):
+    # x: [M, N] uint16 (bf16 bits); r: [M, N] f32; w, b: [N] f32; out: [M, N] f32; ob: [M, N] uint16
+    for i in prange(x.shape[0]):
+        y = out[i]
+        _row_add_shift(x, r, i, y)
+        mean = _math.row_mean(y)
+        rstd = _math.row_rstd(y, mean, eps)
+        _math.row_normalize(y, mean, rstd, w, b)
+        _row_round(y, ob, i)
+
+
+@register("add_layernorm_bf16", "cpu")
+def add_layernorm_bf16(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., N] bf16, residual [..., N] float32 (same shape), weight / bias [N] -> (out
+    [..., N] float32, out [..., N] bf16): LayerNorm(x + residual) over the last dim, eps in
+    the variance (torch.nn.functional.layer_norm's formula). Raises ValueError (named) for
+    other dtypes, shapes or devices (:func:`opfuse.kernels.checks.check_add_layernorm_bf16`)."""
+    n = check_add_layernorm_bf16(x, residual, weight, bias, device_type="cpu")
+    xb = x.detach().contiguous().view(torch.int16).numpy().reshape(-1, n).view(np.uint16)
+    r2 = residual.detach().contiguous().numpy().reshape(-1, n)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    ob = torch.empty(x.shape, dtype=torch.bfloat16)
+    launch(_add_layernorm_bf16_kernel, xb.size)(
+        xb, r2, f32_vec(weight, n), f32_vec(bias, n), np.float32(eps), out.numpy().reshape(-1, n),
+        ob.view(torch.int16).numpy().reshape(-1, n).view(np.uint16))
+    return out, ob

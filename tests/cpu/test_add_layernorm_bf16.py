@@ -1,0 +1,99 @@
+"""opfuse.add_layernorm_bf16 (precision="bf16"'s SkipLayerNorm: a bf16 GEMM's output + the
+float32 residual, LayerNorm, written in float32 and bf16) against the float64 oracle; its
+bf16 output is its float32 output rounded; NaN rows as eager's; refused inputs named; in
+the precision pass it replaces cast + add + layer_norm + cast, and is undone exactly."""
+
+import pytest
+import torch
+
+from opfuse import precision as P
+from opfuse.kernels import reference
+from opfuse.kernels.cpu.add_layernorm_bf16 import add_layernorm_bf16
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="bf16 plans run through oneDNN")
+FASTER = lambda node, fp32, bf16: {"fp32": 2e-4, "bf16": 1e-4}  # noqa: E731  injected clock
+
+
+def _inputs(m=33, n=96, offset=0.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, n, generator=g) * 3 + offset).to(torch.bfloat16)
+    return x, torch.randn(m, n, generator=g) + offset, torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e4])  # 1e4: the row shift keeps the variance exact
+def test_against_float64(offset):
+    x, r, w, b = _inputs(offset=offset)
+    out, out_b = add_layernorm_bf16(x, r, w, b, 1e-5)
+    ref, _ = reference.add_layernorm(x, r, w, b, 1e-5, False)
+    assert out.dtype == torch.float32 and out_b.dtype == torch.bfloat16 and out.shape == x.shape
+    assert float((out.double() - ref).abs().max()) < 1e-4 * float(ref.abs().max())
+    assert torch.equal(out_b, out.to(torch.bfloat16))  # round to nearest even, as torch's cast
+
+
+def test_nan_rows_and_infinities_as_eager():
+    x, r, w, b = _inputs(m=4, n=16)
+    x[1, 3] = float("nan")
+    r[2, 0] = float("inf")
+    out, out_b = add_layernorm_bf16(x, r, w, b, 1e-5)
+    eager = torch.nn.functional.layer_norm(x.float() + r, (16,), w, b, 1e-5)
+    assert torch.equal(out.isnan(), eager.isnan()) and torch.equal(out_b.isnan(), eager.isnan())
+    assert torch.allclose(out[[0, 3]], eager[[0, 3]], atol=1e-5)
+
+
+def test_strided_and_empty_inputs():
+    x, r, w, b = _inputs(m=8, n=32)
+    rt = r.t().contiguous().t()  # same values, column-major
+    assert torch.equal(add_layernorm_bf16(x, rt, w, b, 1e-5)[0], add_layernorm_bf16(x, r, w, b, 1e-5)[0])
+    out, out_b = add_layernorm_bf16(x[:0], r[:0], w, None, 1e-5)
+    assert out.shape == (0, 32) and out_b.shape == (0, 32)
+
+
+def test_refuses_what_it_does_not_compute():
+    x, r, w, b = _inputs(m=4, n=16)
+    with pytest.raises(ValueError, match="add_layernorm_bf16: x must be bfloat16"):
+        add_layernorm_bf16(x.float(), r, w, b, 1e-5)
+    with pytest.raises(ValueError, match="add_layernorm_bf16: residual shape"):
+        add_layernorm_bf16(x, r[:2], w, b, 1e-5)
+    with pytest.raises(ValueError, match="add_layernorm_bf16: weight shape"):
+        add_layernorm_bf16(x, r, w[:3], b, 1e-5)
+
+
+def _plan():
+    import opfuse
+    from opfuse.models import load
+    loaded = load("minilm", batch=2, seq=9)
+    fused = opfuse.optimize(loaded.model, loaded.args, example_kwargs=loaded.kwargs, decide="rho", gemm="onednn",
+                            theta=1.5)  # nothing fuses: the plain add + layer_norm a plan keeps
+    return loaded, next(iter(fused._plans.values())).gm
+
+
+def test_the_precision_pass_fuses_cast_add_layernorm_cast():
+    """MiniLM (real weights), every region bf16: each LayerNorm after a bf16 GEMM (attention
+    output, FFN output: 12) reads the GEMM's bf16 result and feeds the next GEMM bf16."""
+    loaded, gm = _plan()
+    ref = P._outputs(gm, loaded.args, loaded.kwargs)
+    info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER)
+    assert info["add_layernorm_bf16"] == 12
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.opfuse.add_layernorm_bf16.default) == 12
+    assert targets.count(torch.ops.aten.layer_norm.default) == 1  # the embeddings' LayerNorm
+    e2e = P.end_to_end(P._outputs(gm, loaded.args, loaded.kwargs), ref)
+    assert e2e["min_cosine"] >= P.COSINE_MIN and e2e["max_error"] <= P.E2E_FACTOR * info["tolerance"]
+
+
+def test_undone_exactly(monkeypatch):
+    """fuse → undo gives the plan's outputs bit for bit (the end-to-end check's way back)."""
+    real = P.fuse_add_layernorm_bf16
+    monkeypatch.setattr(P, "fuse_add_layernorm_bf16", lambda gm: [])
+    loaded, plain = _plan()
+    P.apply_precision(plain, loaded.args, loaded.kwargs, "bf16", timer=FASTER)
+    before = P._outputs(plain, loaded.args, loaded.kwargs)
+    done = real(plain)
+    assert len(done) == 12
+    plain.recompile()
+    fused = P._outputs(plain, loaded.args, loaded.kwargs)
+    assert not all(torch.equal(a, b) for a, b in zip(before, fused))  # it did run
+    P._unfuse_add_layernorm_bf16(plain, done)
+    plain.recompile()
+    after = P._outputs(plain, loaded.args, loaded.kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
