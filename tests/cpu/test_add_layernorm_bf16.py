@@ -79,6 +79,10 @@ def test_the_precision_pass_fuses_cast_add_layernorm_cast():
     assert targets.count(torch.ops.aten.layer_norm.default) == 1  # the embeddings' LayerNorm
     e2e = P.end_to_end(P._outputs(gm, loaded.args, loaded.kwargs), ref)
     assert e2e["min_cosine"] >= P.COSINE_MIN and e2e["max_error"] <= P.E2E_FACTOR * info["tolerance"]
+    from types import SimpleNamespace
+
+    from opfuse.report.text import precision_line
+    assert "12 add + LayerNorm after a bf16 GEMM fused" in precision_line(SimpleNamespace(precision=info))
 
 
 def test_undone_exactly(monkeypatch):

@@ -81,8 +81,9 @@ def gemm_table(report) -> Table:
 
 def precision_line(report) -> str:
     """One line on ``precision=``: how many GEMM regions run in bf16 (by kind: plain GEMM,
-    + bias / GELU, fused op), the budget, the end-to-end error against the float32 plan,
-    regions put back, and the CPU's bf16 support."""
+    + bias / GELU, fused op, attention), the budget, the end-to-end error against the
+    float32 plan, regions put back, the bf16 SkipLayerNorms and bf16-in/out attentions, and
+    the CPU's bf16 support."""
     p = report.precision
     gemms = p.get("gemms", [])
     low = sum(g["precision"] == "bf16" for g in gemms)
@@ -90,6 +91,10 @@ def precision_line(report) -> str:
     check = (f"; whole model vs float32: max error {e2e['max_error']:.1e}, min cosine {e2e['min_cosine']:.6f}"
              if e2e else "")
     back = f"; {p['reverted']} put back to float32 by the whole-model check" if p.get("reverted") else ""
+    if p.get("add_layernorm_bf16"):
+        back += f"; {p['add_layernorm_bf16']} add + LayerNorm after a bf16 GEMM fused (float32 and bf16 out)"
+    if p.get("attention_bf16_io"):
+        back += f"; {p['attention_bf16_io']} bf16 attentions read and write bf16"
     kinds: dict = {}
     for g in gemms:
         if g["precision"] == "bf16":
