@@ -295,3 +295,25 @@ def test_sdpa_with_dropout_or_gqa_is_not_a_site():
     assert P._attention_site(plain)
     assert P._attention_call(drop) is None and P._attention_call(gqa) is None
     assert not P._attention_site(drop) and not P._attention_site(gqa)
+
+
+def test_generate_with_bf16_attention_in_prefill_and_decode(monkeypatch):
+    """GPT-2 (no GQA) with every region bf16: prefill (causal, Sq = Sk) and decode (one query
+    row against the preallocated cache, masked) attention run opfuse.attention_bf16; greedy
+    tokens equal eager's here, the logits within the bf16 budget."""
+    import transformers as T
+
+    import opfuse
+    monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows, warm=None: {"fp32": 2e-4, "bf16": 1e-4})
+    monkeypatch.setattr(P, "busy", lambda: "test: not cached")
+    torch.manual_seed(0)
+    lm = T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000)).eval()
+    ids = torch.randint(3, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    fused = opfuse.optimize(lm, (ids,), decide="rho", precision="bf16")
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    with torch.no_grad():
+        assert torch.equal(fused.generate(ids, **kw), lm.generate(ids, **kw))
+        assert _rel(fused(ids).logits, lm(ids).logits.double()) < 1e-2
+    att = {phase: [g["precision"] for r in graph.reports for g in r.precision.get("gemms", [])
+                   if g["region"] == "attention"] for phase, graph in fused.generation.graphs}
+    assert att == {"prefill": ["bf16", "bf16"], "decode": ["bf16", "bf16"]}
