@@ -95,6 +95,13 @@ def check_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 # --- one check per op -------------------------------------------------------------------
 
 
+def _check_add_norm_tensors(op: str, x, residual, weight, bias, device_type: DeviceType) -> None:
+    """x, residual, weight (and bias) of an add + normalisation are tensors on ``device_type``."""
+    for name, t in (("x", x), ("residual", residual), ("weight", weight), ("bias", bias)):
+        if t is not None or name != "bias":
+            check_tensor(op, name, t, device_type=device_type)
+
+
 def check_add_layernorm(
     x: torch.Tensor,  # [..., N]
     residual: torch.Tensor,  # [..., N]
@@ -105,11 +112,7 @@ def check_add_layernorm(
 ) -> int:
     """Returns N."""
     op = "add_layernorm"
-    check_tensor(op, "x", x, device_type=device_type)
-    check_tensor(op, "residual", residual, device_type=device_type)
-    check_tensor(op, "weight", weight, device_type=device_type)
-    if bias is not None:
-        check_tensor(op, "bias", bias, device_type=device_type)
+    _check_add_norm_tensors(op, x, residual, weight, bias, device_type)
     check_same(op, x=x, residual=residual)
     check_broadcast_rows(op, "residual", residual, x)
     return check_row_affine(op, x, weight, bias)
@@ -126,11 +129,7 @@ def check_add_layernorm_bf16(
     """The bf16 plan's SkipLayerNorm: x bf16 (a bf16 GEMM's output), residual float32 of
     x's shape, weight / bias float32 [N]. Returns N."""
     op = "add_layernorm_bf16"
-    check_tensor(op, "x", x, device_type=device_type)
-    check_tensor(op, "residual", residual, device_type=device_type)
-    check_tensor(op, "weight", weight, device_type=device_type)
-    if bias is not None:
-        check_tensor(op, "bias", bias, device_type=device_type)
+    _check_add_norm_tensors(op, x, residual, weight, bias, device_type)
     if x.dtype != torch.bfloat16 or residual.dtype != torch.float32:
         raise ValueError(f"opfuse.{op}: x must be bfloat16 and residual float32, got {x.dtype} and {residual.dtype}")
     check_same(op, residual=residual, weight=weight, bias=bias)
