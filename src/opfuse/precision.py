@@ -37,12 +37,14 @@ on the example inputs, else rounded once after the row max is subtracted (one GE
 softmax in float32. When q, k and v come from GEMM sites that go bf16, they arrive rounded to
 bf16 and the attention is judged by the error it adds to those rounded values (the rounding
 is in the GEMMs' own errors); else by its whole error from float32 inputs. The end-to-end
-check covers what the regions add up to (:mod:`opfuse.kernels.cpu.attention_bf16`; 2.9 vs 4.0 ms at 8×12×128×32,
-0.50 vs 0.79 at 1×12×128×64, 5.4 vs 10.6 at 1×12×512×64 against ATen's float32 SDPA, one
-thread, Zen 5). ATen's SDPA nodes (a model run with attn_implementation="sdpa") stay float32
-(ATen's own bf16 SDPA measured slower than float32 here: 1.01 vs 0.84 ms at 1×12×128×64).
-What stays float32: the residual stream, every normalisation (LayerNorm / RMSNorm
-statistics), the softmax and the fused ops' epilogues. Measured on the 2-core AMD EPYC Zen 5 machines (avx512_bf16, one
+check covers what the regions add up to (:mod:`opfuse.kernels.cpu.attention_bf16`; with
+bf16 q, k, v 3.9 vs 5.2 ms at 8×12×128×32 and 7.0 vs 12.8 at 1×12×512×64 against ATen's
+float32 SDPA, one thread, Zen 5, interleaved). ATen's SDPA nodes (a model run with
+attn_implementation="sdpa") are attention sites too, read through their keyword arguments
+(ATen's own bf16 SDPA measured slower than float32 here: 1.01 vs 0.84 ms at 1×12×128×64, so
+it is not the bf16 form). What stays float32: the residual stream, every normalisation's
+statistics (LayerNorm / RMSNorm; after a bf16 GEMM the LayerNorm reads its bf16 result and
+writes float32 and bf16), the softmax and the fused ops' epilogues. Measured on the 2-core AMD EPYC Zen 5 machines (avx512_bf16, one
 thread): oneDNN's bf16 inner product on prepacked weights ran 340–390 GFLOP/s against
 150–200 in float32 (oneDNN) and 70–85 (MKL), so every BERT / MiniLM GEMM region goes bf16;
 at one row oneDNN's bf16 was slower than float32 and opfuse.linear_bf16's GEMV 2.4–3.4x
