@@ -122,9 +122,9 @@ def _softmax_rows(s, mask, mrow, has_mask, causal, scale, p, bad):
             if causal:
                 n = min(Sk, r % causal + 1)
             mr = mrow[r]
-            # x = scale·s + mask (−inf beyond n), e = exp(x) with no max taken off (the scores
-            # were shifted by their row max before the GEMM's rounding: x ≤ ~0 where the mask
-            # is ≤ 0; checked below). The maxima are integer maxima of 32-bit keys (a float
+            # x = scale·s + mask (−inf beyond n), e = exp(x) with no max taken off (shifted
+            # scores, shift=True: x ≤ ~0 where the mask is ≤ 0; raw scores or a positive mask
+            # fail the check below and take the max off in a second pass). The maxima are integer maxima of 32-bit keys (a float
             # max reduction did not vectorise: 0.43 ms per 1.6M scores against 0.11).
             best = np.uint32(0)
             expo = np.uint32(0)
