@@ -401,3 +401,25 @@ def test_a_fused_bias_gelu_runs_as_the_gemm_with_its_gelu_post_op():
     assert len(posts) == 6
     e2e = P.end_to_end(P._outputs(gm, loaded.args, loaded.kwargs), ref)
     assert e2e == pytest.approx(info["end_to_end"]) and e2e["min_cosine"] >= P.COSINE_MIN
+
+
+def test_a_close_timing_is_not_cached(monkeypatch, tmp_path):
+    """Only a clear timing (bf16 and float32 ≥ CACHE_CLEAR apart) goes to the cache; a close
+    call is measured again by the next optimize."""
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(P, "busy", lambda: None)
+    loaded, _, gm = _plan("llama-tiny", batch=2, seq=7)
+    before = P.load_cache(P.CACHE)  # the GEMM backends' timings share the file
+    calls = []
+    monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows, warm=None: calls.append(rows) or
+                        {"fp32": 1e-4, "bf16": 0.95e-4})
+    P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16")
+    assert calls and P.load_cache(P.CACHE) == before
+    loaded, _, gm = _plan("llama-tiny", batch=2, seq=7)
+    n = len(calls)
+    monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows, warm=None: calls.append(rows) or
+                        {"fp32": 2e-4, "bf16": 1e-4})
+    P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16")
+    added = {k: v for k, v in P.load_cache(P.CACHE).items() if k not in before}
+    assert len(calls) - n == len(added) >= 1  # measured again, once per region shape, and now kept
+    assert all(v == {"fp32": 2e-4, "bf16": 1e-4} for v in added.values())
