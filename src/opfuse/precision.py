@@ -645,9 +645,16 @@ def _op_name(target) -> str:
 
 def _producer(a):
     """The node whose value ``a`` re-indexes (through views and split pieces)."""
+    return _walk_views(a)[1]
+
+
+def _walk_views(a) -> tuple[list, object]:
+    """(the views from ``a`` up, innermost last; the value they re-index): :func:`_is_view`."""
+    views = []
     while _is_view(a):
+        views.append(a)
         a = a.args[0]
-    return a
+    return views, a
 
 
 def _gemm_producers(node: fx.Node) -> set:
@@ -759,7 +766,7 @@ def _lower(gm: fx.GraphModule, nodes: list[fx.Node], attr: fx.Node, b, post: str
     x = node.args[0]
     vb = b.meta.get("val") if isinstance(b, fx.Node) else None
     if vb is None and isinstance(b, fx.Node) and b.op == "get_attr":  # a folded bias (QKV merge's cat) has no meta
-        vb = _attr(gm, b.target)
+        vb = operator.attrgetter(b.target)(gm)
     split_bias = b is not None and not (isinstance(vb, torch.Tensor) and vb.dim() == 1)
     with gm.graph.inserting_after(last):
         xb = gm.graph.call_function(aten._to_copy.default, (x,), {"dtype": torch.bfloat16})
@@ -781,13 +788,6 @@ def _lower(gm: fx.GraphModule, nodes: list[fx.Node], attr: fx.Node, b, post: str
     chain[-1].meta["val"] = last.meta.get("val")
     last.replace_all_uses_with(chain[-1], delete_user_cb=lambda u: u not in chain)
     return chain
-
-
-def _attr(gm: fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
 
 
 def _restore(gm: fx.GraphModule, nodes: list[fx.Node], chain: list[fx.Node]) -> None:
@@ -835,10 +835,7 @@ def elide_casts(gm: fx.GraphModule) -> int:
                 u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable
                 for u in node.users):
             continue
-        views, src = [], node.args[0]
-        while _is_view(src):
-            views.append(src)
-            src = src.args[0]
+        views, src = _walk_views(node.args[0])
         if not _bf16_result(src):
             continue
         node.replace_all_uses_with(_views_of(gm, node, src.args[0], views))
@@ -877,14 +874,8 @@ def attention_bf16_io(gm: fx.GraphModule) -> int:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.opfuse.attention_bf16.default:
             continue
-        walks = []
-        for a in node.args[:3]:
-            views, src = [], a
-            while _is_view(src):
-                views.append(src)
-                src = src.args[0]
-            walks.append((views, src) if _bf16_result(src) else None)
-        if None in walks:
+        walks = [_walk_views(a) for a in node.args[:3]]
+        if not all(_bf16_result(src) for _, src in walks):
             continue
         node.args = tuple(_views_of(gm, node, src.args[0], views) for views, src in walks) + tuple(node.args[3:])
         with gm.graph.inserting_after(node):
@@ -949,9 +940,8 @@ def fuse_add_layernorm_bf16(gm: fx.GraphModule) -> list[tuple]:
 def _unfuse_add_layernorm_bf16(gm: fx.GraphModule, done: list[tuple]) -> None:
     """Undo :func:`fuse_add_layernorm_bf16`: the LayerNorms and casts it replaced are used again."""
     for ln, fused, y, yb, casts in reversed(done):
-        for u in casts:
-            yb.replace_all_uses_with(u)
-            break
+        if casts:  # the casts compute the same value: their former users all read the first
+            yb.replace_all_uses_with(casts[0])
         y.replace_all_uses_with(ln)
         for n in (yb, y, fused):
             gm.graph.erase_node(n)
