@@ -40,9 +40,13 @@ is in the GEMMs' own errors); else by its whole error from float32 inputs. The e
 check covers what the regions add up to (:mod:`opfuse.kernels.cpu.attention_bf16`; with
 bf16 q, k, v 3.9 vs 5.2 ms at 8×12×128×32 and 7.0 vs 12.8 at 1×12×512×64 against ATen's
 float32 SDPA, one thread, Zen 5, interleaved). ATen's SDPA nodes (a model run with
-attn_implementation="sdpa") are attention sites too, read through their keyword arguments
-(ATen's own bf16 SDPA measured slower than float32 here: 1.01 vs 0.84 ms at 1×12×128×64, so
-it is not the bf16 form). What stays float32: the residual stream, every normalisation's
+attn_implementation="sdpa") are attention sites too, read through their keyword arguments.
+The attention's bf16 form is the faster of opfuse's kernel and ATen's SDPA on bf16 q, k, v
+(``aten=True``), timed per shape and cached per CPU (:data:`ATTENTION_FORMS`): on Zen 5
+ATen's bf16 SDPA was slower than its float32 (1.01 vs 0.84 ms at 1×12×128×64), on the Intel
+Xeon with AMX tiles it is the faster form (all-MiniLM-L6-v2 8×128: 2.3 vs 3.3 ms opfuse's
+kernel, 3.9 float32). A region measured slower in bf16 is measured twice (each form's
+faster median kept), so one burst of steal on a shared VM does not keep it float32. What stays float32: the residual stream, every normalisation's
 statistics (LayerNorm / RMSNorm; after a bf16 GEMM the LayerNorm reads its bf16 result and
 writes float32 and bf16), the softmax and the fused ops' epilogues. Measured on the 2-core AMD EPYC Zen 5 machines (avx512_bf16, one
 thread): oneDNN's bf16 inner product on prepacked weights ran 340–390 GFLOP/s against
@@ -283,11 +287,11 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
     from .verify import record_values
     env = record_values(gm, args, kwargs)
     ref = _outputs(gm, args, kwargs)
-    cache = load_cache(CACHE) if timer is None else {}
-    size = len(cache)
     chosen: list[tuple[Region, float]] = []
     converted: dict[str, list] = {}
     regions = [r for r in (_region(gm, node, env, converted, tol) for node in _sites(gm)) if r is not None]
+    cache = load_cache(CACHE) if timer is None else {}  # read after the regions: the attention forms write it
+    size = len(cache)
     decided: dict[str, str] = {}
     for region in regions:  # all decided on the float32 graph, before any is lowered (in graph order)
         node = region.node
@@ -302,6 +306,9 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
         times = timer(node, region.fp32, timed) if timer else cache.get(key)
         if times is None:
             times = _measure(region.fp32, timed, region.m, region.warm)
+            if times["bf16"] > times["fp32"] * (1 - MARGIN):  # a loss is measured twice: the faster of each
+                again = _measure(region.fp32, timed, region.m, region.warm)  # form's medians (a burst of
+                times = {kk: min(v, again[kk]) for kk, v in times.items()}  # steal on a shared VM hits one run)
             if busy() is None and abs(times["bf16"] / times["fp32"] - 1) >= CACHE_CLEAR:
                 cache[key] = times  # a close call is measured again next time, not frozen
         faster = times["bf16"] <= times["fp32"] * (1 - MARGIN)
@@ -580,15 +587,44 @@ def _region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict,
 UNSHIFTED_SHARE = 0.5
 
 
+#: The bf16 attention forms the precision pass chooses from, by measured time (the order
+#: breaks ties): "opfuse" = opfuse.attention_bf16's own kernel (shifted or unshifted scores,
+#: by error), "aten" = ATen's SDPA on bf16 q, k, v (``aten=True``; AMX tiles where the CPU
+#: has them). Tests pin one by setting this to a single form.
+ATTENTION_FORMS = ("opfuse", "aten")
+
+
+def _attention_form(label: str, forms: dict[str, Callable]) -> tuple[str, dict]:
+    """(the fastest of ``forms`` — name -> the bf16 attention as the plan would run it —,
+    their median seconds), measured interleaved (:data:`ROUNDS`) and cached per CPU, torch
+    version and thread count under ``label`` unless the two are within :data:`CACHE_CLEAR`."""
+    if len(forms) == 1:
+        return next(iter(forms)), {}
+    from .bench.timing import interleaved
+    key = f"{cpu_model()} | torch {torch.__version__} | threads {torch.get_num_threads()} | {label}"
+    cache = load_cache(CACHE)
+    times = cache.get(key)
+    if not isinstance(times, dict) or set(times) != set(forms):
+        with torch.no_grad():
+            times = {k: v["median_s"] for k, v in interleaved(forms, repeat=ROUNDS, warmup=1).items()}
+        if busy() is None and max(times.values()) / min(times.values()) - 1 >= CACHE_CLEAR:
+            cache[key] = times
+            save_cache(CACHE, cache)
+    return min(forms, key=lambda f: times[f]), times
+
+
 def _attention_region(node: fx.Node, env: dict, call: tuple, values: list, m: int,
                       tol: float = DEFAULT_TOLERANCE) -> Region | None:
     """An attention (``call`` = (q, k, v, mask, scale, is_causal) nodes / constants,
-    ``values`` theirs recorded: :func:`_attention_call`) as opfuse.attention_bf16 (bf16 GEMMs, float32 softmax:
-    :mod:`opfuse.kernels.cpu.attention_bf16`): with the raw scores rounded (``shift=False``:
-    one GEMM and one pass fewer) where that form's error on the recorded values is within
-    :data:`UNSHIFTED_SHARE` of ``tol`` (its worst case grows with the scores' size, so it
-    keeps a margin for inputs other than the examples), else with the scores rounded after the row max is taken off (the precision pass
-    then compares that one's error with ``tol``). ``m`` = B·H·Sq rows, reported as m × k (D)
+    ``values`` theirs recorded: :func:`_attention_call`) as opfuse.attention_bf16 (bf16 GEMMs,
+    float32 softmax: :mod:`opfuse.kernels.cpu.attention_bf16`) in the faster of its forms
+    (:data:`ATTENTION_FORMS`, :func:`_attention_form`) whose error is within budget: opfuse's
+    kernel with the raw scores rounded (``shift=False``: one GEMM and one pass fewer) where
+    that form's error on the recorded values is within :data:`UNSHIFTED_SHARE` of ``tol`` (its
+    worst case grows with the scores' size, so it keeps a margin for inputs other than the
+    examples), else with the scores rounded after the row max is taken off; or ATen's SDPA
+    on bf16 q, k, v (float32 scores) where its error is within ``tol`` (the precision pass then
+    compares the chosen one's error with ``tol``). ``m`` = B·H·Sq rows, reported as m × k (D)
     × n (Sk)."""
     from .kernels.cpu.attention_bf16 import VERSION as attention_bf16_version
     q, k = values[0], values[1]
@@ -604,14 +640,26 @@ def _attention_region(node: fx.Node, env: dict, call: tuple, values: list, m: in
     sites = _gemm_producers(node)
     fed = all(p in sites for p in producers)
     rounded = [t.to(torch.bfloat16).to(t.dtype) if fed and i < 3 else t for i, t in enumerate(values)]
+    # timed as the plan would run it: q, k, v in bf16 where each is a view of a GEMM site's
+    # result (then attention_bf16_io feeds the kernel bf16 and takes its bf16 output)
+    timed_values = [t.to(torch.bfloat16) if fed and i < 3 else t for i, t in enumerate(values)]
     with torch.no_grad():
         ref_r = torch.ops.opfuse.attention.default(*rounded) if fed else env[node]
-        shift = not _relative_error(low(*rounded, False), ref_r) <= UNSHIFTED_SHARE * tol
+        shift = "opfuse" in ATTENTION_FORMS and not _relative_error(low(*rounded, False), ref_r) <= UNSHIFTED_SHARE * tol
+        forms = {"opfuse": (shift, False), "aten": (True, True)}
+        forms = {f: forms[f] for f in ATTENTION_FORMS
+                 if f == "opfuse" or len(ATTENTION_FORMS) == 1 or _relative_error(low(*rounded, *forms[f]), ref_r) <= tol}
+    shape = f"{'x'.join(str(as_int(s)) for s in q.shape)}, Sk={as_int(k.shape[-2])}, mask={values[3] is not None}, " \
+            f"causal={values[5]}"
+    form, _ = _attention_form(f"bf16 attention v{attention_bf16_version} forms {'/'.join(forms)} ({shape}"
+                              f"{', shifted' if shift else ''}{', bf16 q/k/v' if fed else ''})",
+                              {f: (lambda a=a: low(*timed_values, *a)) for f, a in forms.items()})
+    flags = forms[form]
     target, args, kwargs = node.target, node.args, node.kwargs
 
     def lower():
         node.target = low
-        node.args = tuple(call) + (() if shift else (False,))
+        node.args = tuple(call) + ((True, True) if form == "aten" else () if shift else (False,))
         node.kwargs = {}
         node.meta["opfuse_precision"] = "bf16"
 
@@ -623,19 +671,15 @@ def _attention_region(node: fx.Node, env: dict, call: tuple, values: list, m: in
         return target(*[env.get(a, a) if isinstance(a, fx.Node) else a for a in args],
                       **{kk: env.get(a, a) if isinstance(a, fx.Node) else a for kk, a in kwargs.items()})
     d, sk = q.shape[-1], k.shape[-2]
-    form = "shifted" if shift else "unshifted"
-    # timed as the plan would run it: q, k, v in bf16 where each is a view of a GEMM site's
-    # result (then attention_bf16_io feeds the kernel bf16 and takes its bf16 output)
-    timed_values = [t.to(torch.bfloat16) if fed and i < 3 else t for i, t in enumerate(values)]
-    form += ", bf16 q/k/v" if fed else ""
+    name = "ATen SDPA" if form == "aten" else "shifted" if shift else "unshifted"
+    how = " (ATen's SDPA on bf16 q/k/v: float32 scores" if form == "aten" else \
+        f" GEMMs ({'scores rounded after the row max is taken off' if shift else 'raw scores rounded'}"
     return Region(node, m, as_int(d), as_int(sk), fp32,
-                  lambda: low(*values, shift), env[node], lower, restore, lambda: None,
-                  f"bf16 attention v{attention_bf16_version} {form} vs {_op_name(target)}("
-                  f"{'x'.join(str(as_int(s)) for s in q.shape)}, Sk={as_int(sk)}, "
-                  f"mask={values[3] is not None}, causal={values[5]})",
-                  f" GEMMs ({'scores rounded after the row max is taken off' if shift else 'raw scores rounded'}), "
-                  "float32 softmax", "attention", bf16_timed=lambda: low(*timed_values, shift),
-                  own_error=(lambda: _relative_error(low(*rounded, shift), ref_r)) if fed else None,
+                  lambda: low(*values, *flags), env[node], lower, restore, lambda: None,
+                  f"bf16 attention v{attention_bf16_version} {name}{', bf16 q/k/v' if fed else ''} vs "
+                  f"{_op_name(target)}({shape})",
+                  how + "), float32 softmax", "attention", bf16_timed=lambda: low(*timed_values, *flags),
+                  own_error=(lambda: _relative_error(low(*rounded, *flags), ref_r)) if fed else None,
                   fed_by=producers if fed else ())
 
 

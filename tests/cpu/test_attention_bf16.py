@@ -17,6 +17,13 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 FASTER = lambda node, fp32, bf16: {"fp32": 2e-4, "bf16": 1e-4}  # noqa: E731  injected clock
 
 
+@pytest.fixture(autouse=True)
+def _opfuse_form(monkeypatch):
+    """The plans here use opfuse's own kernel (the form's timing would else pick per machine);
+    the ATen-form tests set P.ATTENTION_FORMS themselves."""
+    monkeypatch.setattr(P, "ATTENTION_FORMS", ("opfuse",))
+
+
 def _qkv(b, h, sq, sk, d, scale=2.0, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(b, h, s, d, generator=g) * scale for s in (sq, sk, sk)]
@@ -155,16 +162,19 @@ def test_attention_is_a_precision_site_within_its_budget():
     assert info["end_to_end"]["min_cosine"] >= P.COSINE_MIN
 
 
-def test_bf16_attention_reads_and_writes_bf16_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("form", ["opfuse", "aten"])
+def test_bf16_attention_reads_and_writes_bf16_bit_for_bit(monkeypatch, form):
     """attention_bf16_io: the bf16 q, k, v GEMM results feed the kernel without their float32
     round trip, and its bf16 output goes to the output projection's bf16 input directly; the
-    plan's outputs are the same bits as with the round trips kept."""
+    plan's outputs are the same bits as with the round trips kept; in either form."""
+    monkeypatch.setattr(P, "ATTENTION_FORMS", (form,))
+
     def planned(io: bool):
         loaded, gm = _plan()
-        if not io:
-            monkeypatch.setattr(P, "attention_bf16_io", lambda gm: 0)
-        info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER)
-        monkeypatch.undo()
+        with pytest.MonkeyPatch.context() as mp:
+            if not io:
+                mp.setattr(P, "attention_bf16_io", lambda gm: 0)
+            info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER)
         return loaded, gm, info
     loaded, gm, info = planned(True)
     _, gm_kept, _ = planned(False)
@@ -172,6 +182,7 @@ def test_bf16_attention_reads_and_writes_bf16_bit_for_bit(monkeypatch):
     nodes = [n for n in gm.graph.nodes if n.target is torch.ops.opfuse.attention_bf16.default]
     assert len(nodes) == 2
     for n in nodes:
+        assert (len(n.args) == 8 and n.args[7] is True) == (form == "aten")
         for a in n.args[:3]:  # q, k, v: views of the bf16 QKV GEMM's result, no cast between
             while P._is_view(a):
                 a = a.args[0]
@@ -317,3 +328,103 @@ def test_generate_with_bf16_attention_in_prefill_and_decode(monkeypatch):
     att = {phase: [g["precision"] for r in graph.reports for g in r.precision.get("gemms", [])
                    if g["region"] == "attention"] for phase, graph in fused.generation.graphs}
     assert att == {"prefill": ["bf16", "bf16"], "decode": ["bf16", "bf16"]}
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 16, 16, 32), (1, 4, 7, 33, 64), (3, 2, 128, 128, 32), (1, 8, 9, 9, 64, 2)])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive", "causal"])
+def test_aten_form_against_float64(shape, mask_kind):
+    """aten=True (ATen's SDPA on bf16 q, k, v; GQA through enable_gqa): within the bf16
+    tolerance of the float64 oracle, and not the float32 kernel's result."""
+    b, h, sq, sk, d, *g = shape
+    if mask_kind == "causal" and sq != sk:
+        pytest.skip("causal with Sq != Sk: ATen's top-left alignment, not a plan's")
+    q, k, v = _qkv(b, h, sq, sk, d)
+    if g:  # GQA: Hkv = H / g
+        k, v = k[:, : h // g[0]].contiguous(), v[:, : h // g[0]].contiguous()
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(b, 1, 1, sk, generator=torch.Generator().manual_seed(1)) > 0.3
+        mask[..., 0] = True
+    elif mask_kind == "additive":
+        mask = torch.randn(b, 1, sq, sk) * 3
+    scale = 1 / math.sqrt(d)
+    causal = mask_kind == "causal"
+    ref = reference.attention(q, k, v, mask, scale, causal)
+    out = attention_bf16(q, k, v, mask, scale, causal, True, True)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert 0 < _rel(out, ref) < 2.5e-2
+    outb = attention_bf16(*(t.bfloat16() for t in (q, k, v)), mask, scale, causal, True, True)
+    assert outb.dtype == torch.bfloat16 and torch.equal(outb.float(), out)  # bf16 in: the same bits, bf16 out
+
+
+@pytest.mark.parametrize("bad", ["nan_q", "inf_k", "nan_mask", "masked_rows_bool", "masked_rows_inf"])
+def test_aten_form_non_finite_and_fully_masked_rows_as_the_float32_kernel(bad):
+    """NaN/±inf inputs and fully masked rows: the NaN positions and the masked rows' values
+    are the float32 kernel's (both are ATen's SDPA)."""
+    q, k, v = _qkv(1, 4, 8, 8, 16)
+    mask = torch.zeros(1, 1, 8, 8)
+    if bad == "nan_q":
+        q[0, 1, 2, 3] = float("nan")
+    elif bad == "inf_k":
+        k[0, 2, 5, 0] = float("inf")
+    elif bad == "nan_mask":
+        mask[0, 0, 1, 1] = float("nan")
+    elif bad == "masked_rows_bool":
+        mask = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+        mask[0, 0, 3] = False
+    else:
+        mask[0, 0, 3] = float("-inf")
+    out, f32 = attention_bf16(q, k, v, mask, 0.25, False, True, True), attention_f32(q, k, v, mask, 0.25, False)
+    assert torch.equal(out.isnan(), f32.isnan()) and torch.equal(out.isinf(), f32.isinf())
+    if bad.startswith("masked_rows"):
+        assert torch.equal(out[0, :, 3], f32[0, :, 3]) and torch.isfinite(out).all()
+    ok = torch.isfinite(f32)
+    assert torch.allclose(out[ok], f32[ok], atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("form", ["aten", "opfuse"])
+def test_the_faster_attention_form_is_the_plans(monkeypatch, form):
+    """With both forms allowed the plan takes the one the form timing says is faster (injected
+    here): aten=True on the node, or opfuse's kernel; the report says which; outputs within
+    budget of eager's."""
+    monkeypatch.setattr(P, "ATTENTION_FORMS", ("opfuse", "aten"))
+    timed = []
+
+    def clock(label, forms):
+        timed.append((label, sorted(forms)))
+        return form, {f: 1e-4 if f == form else 2e-4 for f in forms}
+    monkeypatch.setattr(P, "_attention_form", clock)
+    loaded, gm = _plan()
+    info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER)
+    assert len(timed) == 2 and all(f == ["aten", "opfuse"] for _, f in timed)
+    att = [g for g in info["gemms"] if g["region"] == "attention"]
+    assert [g["precision"] for g in att] == ["bf16", "bf16"]
+    assert all(("ATen's SDPA" in g["reason"]) == (form == "aten") for g in att)
+    nodes = [n for n in gm.graph.nodes if n.target is torch.ops.opfuse.attention_bf16.default]
+    assert [len(n.args) == 8 and n.args[7] is True for n in nodes] == [form == "aten"] * 2
+    with torch.no_grad():
+        out = P._outputs(gm, loaded.args, loaded.kwargs)[0]
+        ref = loaded.model(*loaded.args, **loaded.kwargs)[0]
+    assert _rel(out, ref.double()) < 5e-2
+
+
+def test_attention_form_timing_is_cached_unless_close(monkeypatch, tmp_path):
+    """The form timing is measured once per CPU / torch / threads / shape and cached; a close
+    call (within CACHE_CLEAR) is measured again next time."""
+    from opfuse.bench import timing
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(P, "busy", lambda: None)
+    runs = []
+    medians = {"aten": 1e-4, "opfuse": 3e-4}
+
+    def fake(fns, repeat, warmup):
+        runs.append(sorted(fns))
+        return {f: {"median_s": medians[f]} for f in fns}
+    monkeypatch.setattr(timing, "interleaved", fake)
+    forms = {"opfuse": lambda: None, "aten": lambda: None}
+    assert P._attention_form("shape A", forms)[0] == "aten"
+    assert P._attention_form("shape A", forms) == ("aten", medians) and len(runs) == 1  # cached
+    medians = {"aten": 1.00e-4, "opfuse": 1.05e-4}
+    assert P._attention_form("shape B", forms)[0] == "aten" and len(runs) == 2
+    assert P._attention_form("shape B", forms)[0] == "aten" and len(runs) == 3  # close: not cached
+    assert P._attention_form("one form", {"opfuse": forms["opfuse"]}) == ("opfuse", {}) and len(runs) == 3

@@ -423,3 +423,29 @@ def test_a_close_timing_is_not_cached(monkeypatch, tmp_path):
     added = {k: v for k, v in P.load_cache(P.CACHE).items() if k not in before}
     assert len(calls) - n == len(added) >= 1  # measured again, once per region shape, and now kept
     assert all(v == {"fp32": 2e-4, "bf16": 1e-4} for v in added.values())
+
+
+def test_a_measured_loss_is_measured_again(monkeypatch, tmp_path):
+    """A region measured slower in bf16 is measured a second time and each form's faster
+    median kept (a burst of steal on a shared VM hits one run): a second run that shows bf16
+    faster turns it bf16 with the per-form minima reported and cached; a win is measured once."""
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(P, "busy", lambda: None)
+    monkeypatch.setattr(P, "ATTENTION_FORMS", ("opfuse",))
+    loaded, _, gm = _plan("llama-tiny", batch=2, seq=7)
+    runs = iter([{"fp32": 1e-4, "bf16": 2e-4}, {"fp32": 2e-4, "bf16": 0.5e-4}] * 100)
+    calls = []
+    monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows, warm=None: calls.append(rows) or next(runs))
+    before = P.load_cache(P.CACHE)  # the GEMM backends' timings share the file
+    info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16")
+    added = {k: v for k, v in P.load_cache(P.CACHE).items() if k not in before}
+    assert info["gemms"] and all(g["precision"] == "bf16" for g in info["gemms"])
+    assert all(g["times_s"] == {"fp32": 1e-4, "bf16": 0.5e-4} for g in info["gemms"])
+    assert len(calls) == 2 * len(added) and all(v == {"fp32": 1e-4, "bf16": 0.5e-4} for v in added.values())
+    loaded, _, gm = _plan("llama-tiny", batch=2, seq=7)
+    calls.clear()
+    monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows, warm=None: calls.append(rows) or
+                        {"fp32": 2e-4, "bf16": 1e-4})
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path / "fresh"))
+    P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16")
+    assert len(calls) == len(P.load_cache(P.CACHE)) == len(added)  # a win: measured once per region shape

@@ -412,7 +412,7 @@ def check_rope(x: object, cos: object, sin: object, layout: str, *, device_type:
             check_rope_table(op, "sin", sin, *bsd, device_type=device_type))
 
 
-def _attention_call(q, k, v, mask, scale, is_causal, shift=True, *, device_type):
+def _attention_call(q, k, v, mask, scale, is_causal, shift=True, aten=False, *, device_type):
     b, h, _, sq, sk, _, _ = check_attention(q, k, v, device_type=device_type)
     if mask is not None:
         check_attention_mask(mask, q, (b, h, sq, sk), is_causal, device_type=device_type)

@@ -29,6 +29,14 @@ scores never leave the core's cache between the GEMMs and the softmax.
 ``shift=False`` skips S₁ and the row max: S = q·kᵀ rounded as it is (the softmax then takes
 the max off itself, as without the shift its scores can be large).
 
+``aten=True`` runs ATen's own SDPA on q, k, v rounded to bf16 instead (its CPU flash kernel:
+float32 scores, online softmax in float32, P rounded to bf16 for P·v; GQA through
+``enable_gqa``). Where oneDNN/ATen have AMX tiles it is the faster form: measured on the
+Intel Xeon with amx_bf16 (one thread, ms) 1.76 vs 2.81 float32 at 8×12×128×32 and 3.0 vs 7.9
+at 1×12×512×64, while on Zen 5 (avx512_bf16, no AMX) it was slower than float32 (1.01 vs
+0.84 at 1×12×128×64). Its non-finite and fully masked rows are ATen's, as the float32
+kernel's. The precision pass times both forms and keeps the faster.
+
 FLOPs: 6·B·H·Sq·Sk·D (three GEMMs; the first only for the shift; 4·… unshifted); traffic: read q, k, v (+mask),
 2 + 2 + 2 bytes per score (S₁, S, P; in L2), write out.
 """
@@ -49,7 +57,7 @@ from opfuse.kernels.cpu.attention import attention as attention_f32
 from opfuse.kernels.registry import register
 
 #: In the precision pass's timing-cache key (opfuse.precision): a changed kernel is timed again.
-VERSION = 6
+VERSION = 7
 _NEG_INF = np.float32(-np.inf)
 _INF = np.float32(np.inf)
 _KEEP = np.float32(-1e4)  # an additive mask entry above this counts as kept for the shift's max
@@ -223,6 +231,16 @@ def _mask_rows(mask: torch.Tensor | None, b: int, h: int, sq: int, sk: int) -> t
     return m.numpy(), idx, True
 
 
+def _aten_sdpa_bf16(q, k, v, mask, scale: float, is_causal: bool) -> torch.Tensor:
+    # q [B,H,Sq,D], k [B,Hkv,Sk,D], v [B,Hkv,Sk,Dv] -> bf16 [B,H,Sq,Dv]; an additive mask
+    # stays float32 (added to the float32 scores), a bool mask as it is
+    bf = torch.bfloat16
+    qb, kb, vb = (t.detach() if t.dtype == bf else t.detach().to(bf) for t in (q, k, v))
+    m = None if mask is None else mask.detach() if mask.dtype in (torch.bool, torch.float32) else mask.detach().float()
+    return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=m, is_causal=is_causal, scale=scale,
+                                                            enable_gqa=kb.shape[1] != qb.shape[1])
+
+
 @register("attention_bf16", "cpu")
 def attention_bf16(
     q: torch.Tensor,
@@ -232,17 +250,21 @@ def attention_bf16(
     scale: float,
     is_causal: bool,
     shift: bool = True,
+    aten: bool = False,
 ) -> torch.Tensor:
     """Scaled dot-product attention with bf16 GEMMs (module docstring); q [B,H,Sq,D],
     k [B,Hkv,Sk,D], v [B,Hkv,Sk,Dv] float32 (or bf16), mask None or broadcastable to
     [B,H,Sq,Sk] (bool, True = keep, or additive float) -> [B,H,Sq,Dv] in q's dtype.
     ``shift=False`` rounds the raw scores q·kᵀ (one GEMM fewer, no row-max pass; error
     |s|·2⁻⁹ per score instead of |s − max|·2⁻⁹): the precision pass picks it per layer
-    where its measured error is within budget. Raises ValueError (named) as
+    where its measured error is within budget. ``aten=True``: ATen's SDPA on bf16 q, k, v
+    (module docstring; ``shift`` unused). Raises ValueError (named) as
     :func:`opfuse.kernels.cpu.attention.attention`."""
     b, h, hkv, sq, sk, d, dv = check_attention(q, k, v, device_type="cpu")
     if mask is not None:
         check_attention_mask(mask, q, (b, h, sq, sk), is_causal, device_type="cpu")
+    if aten:
+        return _aten_sdpa_bf16(q, k, v, mask, scale, is_causal).to(q.dtype)
     if hkv != h or (is_causal and sq != sk) or not (b * h * sq * sk):
         return attention_f32(q, k, v, mask, scale, is_causal)
     rows = _mask_rows(mask, b, h, sq, sk)
