@@ -934,38 +934,58 @@ def attention_bf16_io(gm: fx.GraphModule) -> int:
     return changed
 
 
-def fuse_add_layernorm_bf16(gm: fx.GraphModule) -> list[tuple]:
-    """The bf16 plan's SkipLayerNorm: ``layer_norm(→float32(t) + r)`` with ``t`` a bf16 GEMM's
-    result and ``r`` float32 of the same shape becomes opfuse.add_layernorm_bf16(t, r, ...):
-    its float32 output replaces the LayerNorm's, its bf16 output the ``→bf16`` casts of it (the
-    next GEMM's input). Not exact (its own float32 statistics: ~1e-7 from ATen's), so the
-    caller checks the whole model again and :func:`_unfuse_add_layernorm_bf16` undoes it.
-    The replaced nodes stay until then. Returns the undo records."""
-    done = []
-    for ln in list(gm.graph.nodes):
-        if ln.op != "call_function" or ln.target is not aten.layer_norm.default or ln.kwargs:
-            continue
+def _skip_layernorm(ln: fx.Node) -> tuple | None:
+    """``(c, r, w, b, eps)`` of a SkipLayerNorm over a bf16 GEMM's float32 copy ``c``:
+    ``layer_norm(c + r)`` (ATen) or ``opfuse.add_layernorm(c, r, ...)`` (either operand
+    order), with ``c`` only used there and ``r`` float32 of the sum's shape; None otherwise."""
+    if ln.op != "call_function" or ln.kwargs:
+        return None
+    if ln.target is aten.layer_norm.default:
         a = ln.args[0]
         if not (isinstance(a, fx.Node) and a.op == "call_function" and a.target is aten.add.Tensor
-                and len(a.args) == 2 and not a.kwargs and len(a.users) == 1):
+                and len(a.args) == 2 and not a.kwargs and len(a.users) == 1) or len(ln.args) < 3 or \
+                list(ln.args[1]) != [_last_dim(a)]:
+            return None
+        pair, rest = a.args, tuple(ln.args[2:]) + (None, 1e-5)[len(ln.args) - 3:]
+    elif ln.target is torch.ops.opfuse.add_layernorm.default:
+        a, pair, rest = ln, ln.args[:2], tuple(ln.args[2:5])
+    else:
+        return None
+    w, b, eps = rest[:3]
+    pick = [(c, r) for c, r in ((pair[0], pair[1]), (pair[1], pair[0]))
+            if _bf16_result(c) and len(c.users) == 1 and isinstance(r, fx.Node)]
+    if not pick or w is None:
+        return None
+    c, r = pick[0]
+    va, vr = a.meta.get("val"), r.meta.get("val")
+    try:
+        same = (isinstance(va, torch.Tensor) and isinstance(vr, torch.Tensor) and vr.dtype == torch.float32
+                and va.dtype == torch.float32 and bool(tuple(va.shape) == tuple(vr.shape)))
+    except Exception:  # a symbolic shape the comparison cannot decide
+        same = False
+    return (c, r, w, b, eps) if same else None
+
+
+def _last_dim(a: fx.Node):
+    val = a.meta.get("val")
+    return val.shape[-1] if isinstance(val, torch.Tensor) and val.dim() else None
+
+
+def fuse_add_layernorm_bf16(gm: fx.GraphModule) -> list[tuple]:
+    """The bf16 plan's SkipLayerNorm: ``layer_norm(→float32(t) + r)`` or
+    ``opfuse.add_layernorm(→float32(t), r, ...)`` with ``t`` a bf16 GEMM's result and ``r``
+    float32 of the same shape (:func:`_skip_layernorm`) becomes
+    opfuse.add_layernorm_bf16(t, r, ...): its float32 output replaces the LayerNorm's, its
+    bf16 output the ``→bf16`` casts of it (the next GEMM's input). Not exact (its own float32
+    statistics: ~1e-7 from ATen's), so the caller checks the whole model again and
+    :func:`_unfuse_add_layernorm_bf16` undoes it. The replaced nodes stay until then.
+    Returns the undo records."""
+    done = []
+    for ln in list(gm.graph.nodes):
+        found = _skip_layernorm(ln)
+        if found is None:
             continue
-        pick = [(c, r) for c, r in ((a.args[0], a.args[1]), (a.args[1], a.args[0]))
-                if _bf16_result(c) and len(c.users) == 1 and isinstance(r, fx.Node)]
-        if not pick:
-            continue
-        c, r = pick[0]
-        va, vr = a.meta.get("val"), r.meta.get("val")
-        shape, w = ln.args[1], ln.args[2] if len(ln.args) > 2 else None
-        b = ln.args[3] if len(ln.args) > 3 else None
-        eps = ln.args[4] if len(ln.args) > 4 else 1e-5
-        try:
-            same = (isinstance(va, torch.Tensor) and isinstance(vr, torch.Tensor) and vr.dtype == torch.float32
-                    and va.dtype == torch.float32 and bool(tuple(va.shape) == tuple(vr.shape))
-                    and list(shape) == [va.shape[-1]])
-        except Exception:  # a symbolic shape the comparison cannot decide
-            same = False
-        if not same or w is None:
-            continue
+        c, r, w, b, eps = found
         with gm.graph.inserting_before(ln):
             fused = gm.graph.call_function(torch.ops.opfuse.add_layernorm_bf16.default, (c.args[0], r, w, b, eps))
             y = gm.graph.call_function(operator.getitem, (fused, 0))

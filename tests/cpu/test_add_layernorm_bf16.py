@@ -101,3 +101,31 @@ def test_undone_exactly(monkeypatch):
     plain.recompile()
     after = P._outputs(plain, loaded.args, loaded.kwargs)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_the_fused_float32_add_layernorm_is_taken_over_too():
+    """A plan whose SkipLayerNorms are already opfuse.add_layernorm (the float32 plan's fusion,
+    as BERT-base's): after a bf16 GEMM each becomes opfuse.add_layernorm_bf16 as well (12), the
+    embeddings' (no bf16 operand) stays; the outputs within the budget of the float32 plan."""
+    loaded, gm = _plan()
+    for ln in [n for n in gm.graph.nodes if n.target is torch.ops.aten.layer_norm.default]:
+        add = ln.args[0]
+        if add.target is not torch.ops.aten.add.Tensor:
+            continue
+        with gm.graph.inserting_before(ln):
+            op = gm.graph.call_function(torch.ops.opfuse.add_layernorm.default, (*add.args, *ln.args[2:5]))
+        op.meta["val"] = ln.meta["val"]
+        ln.replace_all_uses_with(op)
+        gm.graph.erase_node(ln)
+        gm.graph.erase_node(add)
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.opfuse.add_layernorm.default) == 13
+    ref = P._outputs(gm, loaded.args, loaded.kwargs)
+    info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER)
+    assert info["add_layernorm_bf16"] == 12
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.opfuse.add_layernorm_bf16.default) == 12
+    assert targets.count(torch.ops.opfuse.add_layernorm.default) == 1
+    e2e = P.end_to_end(P._outputs(gm, loaded.args, loaded.kwargs), ref)
+    assert e2e["min_cosine"] >= P.COSINE_MIN and e2e["max_error"] <= P.E2E_FACTOR * info["tolerance"]
