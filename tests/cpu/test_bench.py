@@ -231,3 +231,17 @@ def test_serving_benchmark_structure_and_values():
     op = result["systems"]["opfuse"]
     assert op["max_abs_err"] < 1e-4 and op["total_s"] > 0 and op["p50_s"] <= op["p99_s"]
     assert result["opfuse"]["plans"] == 1 and result["opfuse"]["replans"] == []
+
+
+def test_serving_benchmark_bf16_peer():
+    """opfuse-bf16 in the serving loop: one dynamic bf16 plan (precision="bf16"), its outputs
+    within the bf16 budget of eager's on every request, its regions reported; the table has
+    a precision column."""
+    from opfuse.bench.serving import bench_serving, serving_table
+    from opfuse.models import load
+    loaded = load("bert-tiny", batch=2, seq=16)
+    result = bench_serving(loaded.model, n=3, batch=2, lo=4, hi=40, threads=1, against=("eager", "opfuse-bf16"),
+                           example_seq=16)
+    op = result["systems"]["opfuse-bf16"]
+    assert 0 < op["max_abs_err"] < 0.1 and "bf16 regions" in op["precision"] and "replans 0" in op["precision"]
+    assert "precision" in [c.header for c in serving_table(result).columns]
