@@ -245,7 +245,8 @@ def _plan_captured(gm, spec, model, args, kwargs, lap, timings, *, theta, device
         rewrite(gm, cands);                                         lap("rewrite")
         masks = shared_bool_masks(gm);                              lap("masks")
         gemms = apply_gemm_choices(gm, gemm, also_at=gemm_sizes(spec, args, kwargs)); lap("gemm")
-        lowp = apply_precision(gm, args, kwargs, precision, tolerance); lap("precision")
+        lowp = apply_precision(gm, args, kwargs, precision, tolerance,
+                               also=[(a, k) for _s, a, k in samples]); lap("precision")
         direct_wt_matmuls(gm);                                      lap("wt matmuls")
         in_place = inplace_cache_writes(gm);                        lap("in place")
         deduped = dedupe_pure_ops(gm);                              lap("dedupe")

@@ -46,10 +46,11 @@ The attention's bf16 form is the faster of opfuse's kernel and ATen's SDPA on bf
 ATen's bf16 SDPA was slower than its float32 (1.01 vs 0.84 ms at 1×12×128×64), on the Intel
 Xeon with AMX tiles it is the faster form (all-MiniLM-L6-v2 8×128: 2.3 vs 3.3 ms opfuse's
 kernel, 3.9 float32). A region measured slower in bf16 is measured twice (each form's
-faster median kept), so one burst of steal on a shared VM does not keep it float32. What stays float32: the residual stream, every normalisation's
-statistics (LayerNorm / RMSNorm; after a bf16 GEMM the LayerNorm reads its bf16 result and
-writes float32 and bf16), the softmax and the fused ops' epilogues. Measured on the 2-core AMD EPYC Zen 5 machines (avx512_bf16, one
-thread): oneDNN's bf16 inner product on prepacked weights ran 340–390 GFLOP/s against
+faster median kept), so one burst of steal on a shared VM does not keep it float32.
+What stays float32: the residual stream, every normalisation's statistics (LayerNorm /
+RMSNorm; after a bf16 GEMM the LayerNorm reads its bf16 result and writes float32 and bf16),
+the softmax and the fused ops' epilogues. Measured on the 2-core AMD EPYC Zen 5 machines
+(avx512_bf16, one thread): oneDNN's bf16 inner product on prepacked weights ran 340–390 GFLOP/s against
 150–200 in float32 (oneDNN) and 70–85 (MKL), so every BERT / MiniLM GEMM region goes bf16;
 at one row oneDNN's bf16 was slower than float32 and opfuse.linear_bf16's GEMV 2.4–3.4x
 faster than MKL's float32 GEMV, so a Llama decode step runs every GEMM as a bf16 GEMV.
@@ -259,12 +260,15 @@ def _measure(fp32: Callable, bf16: Callable, rows: int, warm: dict | None = None
 
 
 def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: str = "fp32",
-                    tolerance: float | None = None, errors: dict | None = None, timer: Callable | None = None) -> dict:
+                    tolerance: float | None = None, errors: dict | None = None, timer: Callable | None = None,
+                    also: list | tuple = ()) -> dict:
     """Pipeline pass (after the GEMM backends): lower GEMMs to ``precision`` where measured
     error and time allow (module docstring). ``errors`` / ``timer`` inject measurements
     (tests): ``errors[node name]`` replaces a measured error; ``timer(node, fp32, bf16)`` ->
-    ``{"fp32": s, "bf16": s}`` replaces the clock. Returns the report's ``precision`` entry
-    (plain data; ``{}`` for ``"fp32"``).
+    ``{"fp32": s, "bf16": s}`` replaces the clock. ``also``: more ``(args, kwargs)`` the
+    end-to-end check covers (a dynamic plan's other verification sizes): the whole-model
+    budget must hold on each. Returns the report's ``precision`` entry (plain data; ``{}``
+    for ``"fp32"``).
 
     Raises:
         ValueError: unknown precision or bad tolerance."""
@@ -286,7 +290,13 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
                     "only where measured faster")
     from .verify import record_values
     env = record_values(gm, args, kwargs)
-    ref = _outputs(gm, args, kwargs)
+    inputs = [(args, kwargs)] + [tuple(x) for x in also]
+    refs = [_outputs(gm, a, k) for a, k in inputs]
+
+    def check_all() -> dict:  # the worst of every input set's end-to-end error
+        checks = [end_to_end(_outputs(gm, a, k), r) for (a, k), r in zip(inputs, refs)]
+        return {"max_error": max(c["max_error"] for c in checks), "min_cosine": min(c["min_cosine"] for c in checks),
+                **({"inputs": len(checks)} if len(checks) > 1 else {})}
     chosen: list[tuple[Region, float]] = []
     converted: dict[str, list] = {}
     regions = [r for r in (_region(gm, node, env, converted, tol) for node in _sites(gm)) if r is not None]
@@ -332,7 +342,7 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
         region.lower()
     if chosen:
         gm.recompile()
-        check = end_to_end(_outputs(gm, args, kwargs), ref)
+        check = check_all()
         while chosen and not (check["max_error"] <= E2E_FACTOR * tol and check["min_cosine"] >= COSINE_MIN):
             chosen.sort(key=lambda c: -c[1])
             back, chosen = chosen[: max(1, len(chosen) // 2)], chosen[max(1, len(chosen) // 2):]
@@ -345,7 +355,7 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
                                        f"{check['max_error']:.1e}, cosine {check['min_cosine']:.6f})")
             info["reverted"] += len(back)
             gm.recompile()
-            check = end_to_end(_outputs(gm, args, kwargs), ref)
+            check = check_all()
         info["end_to_end"] = check
     g = info["gemms"]  # the regions' own medians: what the plan's GEMM regions take, before -> after
     info["regions_time_s"] = {"fp32": sum(r["times_s"]["fp32"] for r in g),
@@ -358,7 +368,7 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
     done = fuse_add_layernorm_bf16(gm) if chosen else []
     if done:  # not exact: the whole model is checked again, and the fusion undone if over budget
         gm.recompile()
-        check = end_to_end(_outputs(gm, args, kwargs), ref)
+        check = check_all()
         if check["max_error"] <= E2E_FACTOR * tol and check["min_cosine"] >= COSINE_MIN:
             info["add_layernorm_bf16"], info["end_to_end"] = len(done), check
         else:

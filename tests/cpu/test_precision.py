@@ -449,3 +449,45 @@ def test_a_measured_loss_is_measured_again(monkeypatch, tmp_path):
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path / "fresh"))
     P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16")
     assert len(calls) == len(P.load_cache(P.CACHE)) == len(added)  # a win: measured once per region shape
+
+
+def test_dynamic_bf16_plan_is_checked_at_every_verification_size(monkeypatch, tmp_path):
+    """dynamic=True with precision="bf16": the whole-model budget is checked at the example
+    and at each of the range's other verification sizes (the report says how many), and the
+    plan's outputs stay within it of eager's at sizes never seen."""
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows, warm=None: {"fp32": 2e-4, "bf16": 1e-4})
+    loaded = load("bert-tiny", batch=2, seq=9)
+    fused = opfuse.optimize(loaded.model, loaded.args, decide="rho", precision="bf16", dynamic=True)
+    p = fused.report.precision
+    assert any(g["precision"] == "bf16" for g in p["gemms"])
+    assert p["end_to_end"]["inputs"] == len(fused.report.dynamic["verified_at"]) >= 3
+    from types import SimpleNamespace
+
+    from opfuse.report.text import precision_line
+    assert f"worst of {p['end_to_end']['inputs']} input sizes" in precision_line(SimpleNamespace(precision=p))
+    for b, s in ((1, 5), (3, 40)):
+        ids = torch.randint(5, 1000, (b, s), generator=torch.Generator().manual_seed(s))
+        mask = torch.ones(b, s, dtype=loaded.args[1].dtype)
+        mask[0, s // 2:] = 0  # padding too
+        with torch.no_grad():
+            out, ref = fused(ids, mask).last_hidden_state, loaded.model(ids, mask).last_hidden_state
+        assert P.end_to_end([out], [ref])["min_cosine"] >= P.COSINE_MIN
+    assert len(fused._plans) == 1
+
+
+def test_a_size_over_budget_puts_regions_back(monkeypatch):
+    """An end-to-end check over budget at one of the ``also`` input sets (here: made to fail on
+    the second set of every check while any region is bf16) puts regions back to float32 though
+    the example itself passes."""
+    loaded, _, gm = _plan("bert-tiny", batch=2, seq=9)
+    other = (torch.randint(5, 1000, (2, 9), generator=torch.Generator().manual_seed(1)), loaded.args[1])
+    real, calls = P.end_to_end, []
+
+    def check(out, ref):
+        calls.append(1)
+        return {"max_error": 1.0, "min_cosine": 0.0} if len(calls) % 2 == 0 and _lowered(gm) else real(out, ref)
+    monkeypatch.setattr(P, "end_to_end", check)
+    info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER, also=[(other, {})])
+    assert info["reverted"] >= 1 and info["end_to_end"]["inputs"] == 2
+    assert all(g["precision"] == "fp32" for g in info["gemms"]) and not _lowered(gm)

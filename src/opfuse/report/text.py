@@ -89,7 +89,7 @@ def precision_line(report) -> str:
     low = sum(g["precision"] == "bf16" for g in gemms)
     e2e = p.get("end_to_end")
     check = (f"; whole model vs float32: max error {e2e['max_error']:.1e}, min cosine {e2e['min_cosine']:.6f}"
-             if e2e else "")
+             + (f" (worst of {e2e['inputs']} input sizes)" if e2e.get("inputs") else "") if e2e else "")
     back = f"; {p['reverted']} put back to float32 by the whole-model check" if p.get("reverted") else ""
     if p.get("add_layernorm_bf16"):
         back += f"; {p['add_layernorm_bf16']} add + LayerNorm after a bf16 GEMM fused (float32 and bf16 out)"
