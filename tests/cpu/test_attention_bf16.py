@@ -33,6 +33,15 @@ def _rel(out, ref):
     return float((out.double() - ref).abs().max() / ref.abs().max())
 
 
+def _mask(kind, b, sq, sk):
+    """None ("none", "causal"), a bool padding mask [B,1,1,Sk] (key 0 kept), or an additive [B,1,Sq,Sk]."""
+    if kind == "bool":
+        mask = torch.rand(b, 1, 1, sk, generator=torch.Generator().manual_seed(1)) > 0.3
+        mask[..., 0] = True
+        return mask
+    return torch.randn(b, 1, sq, sk) * 3 if kind == "additive" else None
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 16, 16, 32), (1, 4, 7, 33, 64), (3, 2, 128, 128, 32)])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive", "causal"])
 @pytest.mark.parametrize("shift", [True, False])
@@ -41,12 +50,7 @@ def test_against_float64(shape, mask_kind, shift):
     if mask_kind == "causal" and sq != sk:
         pytest.skip("causal with Sq != Sk runs the float32 kernel")
     q, k, v = _qkv(b, h, sq, sk, d)
-    mask = None
-    if mask_kind == "bool":
-        mask = torch.rand(b, 1, 1, sk, generator=torch.Generator().manual_seed(1)) > 0.3
-        mask[..., 0] = True
-    elif mask_kind == "additive":
-        mask = torch.randn(b, 1, sq, sk) * 3
+    mask = _mask(mask_kind, b, sq, sk)
     scale = 1 / math.sqrt(d)
     causal = mask_kind == "causal"
     ref = reference.attention(q, k, v, mask, scale, causal)
@@ -341,12 +345,7 @@ def test_aten_form_against_float64(shape, mask_kind):
     q, k, v = _qkv(b, h, sq, sk, d)
     if g:  # GQA: Hkv = H / g
         k, v = k[:, : h // g[0]].contiguous(), v[:, : h // g[0]].contiguous()
-    mask = None
-    if mask_kind == "bool":
-        mask = torch.rand(b, 1, 1, sk, generator=torch.Generator().manual_seed(1)) > 0.3
-        mask[..., 0] = True
-    elif mask_kind == "additive":
-        mask = torch.randn(b, 1, sq, sk) * 3
+    mask = _mask(mask_kind, b, sq, sk)
     scale = 1 / math.sqrt(d)
     causal = mask_kind == "causal"
     ref = reference.attention(q, k, v, mask, scale, causal)
