@@ -950,18 +950,19 @@ def _skip_layernorm(ln: fx.Node) -> tuple | None:
     order), with ``c`` only used there and ``r`` float32 of the sum's shape; None otherwise."""
     if ln.op != "call_function" or ln.kwargs:
         return None
+    norm_shape = None
     if ln.target is aten.layer_norm.default:
         a = ln.args[0]
         if not (isinstance(a, fx.Node) and a.op == "call_function" and a.target is aten.add.Tensor
-                and len(a.args) == 2 and not a.kwargs and len(a.users) == 1) or len(ln.args) < 3 or \
-                list(ln.args[1]) != [_last_dim(a)]:
+                and len(a.args) == 2 and not a.kwargs and len(a.users) == 1) or len(ln.args) < 3:
             return None
-        pair, rest = a.args, tuple(ln.args[2:]) + (None, 1e-5)[len(ln.args) - 3:]
+        pair, norm_shape, w = a.args, ln.args[1], ln.args[2]
+        b = ln.args[3] if len(ln.args) > 3 else None
+        eps = ln.args[4] if len(ln.args) > 4 else 1e-5
     elif ln.target is torch.ops.opfuse.add_layernorm.default:
-        a, pair, rest = ln, ln.args[:2], tuple(ln.args[2:5])
+        a, pair, (w, b, eps) = ln, ln.args[:2], ln.args[2:5]
     else:
         return None
-    w, b, eps = rest[:3]
     pick = [(c, r) for c, r in ((pair[0], pair[1]), (pair[1], pair[0]))
             if _bf16_result(c) and len(c.users) == 1 and isinstance(r, fx.Node)]
     if not pick or w is None:
@@ -970,15 +971,11 @@ def _skip_layernorm(ln: fx.Node) -> tuple | None:
     va, vr = a.meta.get("val"), r.meta.get("val")
     try:
         same = (isinstance(va, torch.Tensor) and isinstance(vr, torch.Tensor) and vr.dtype == torch.float32
-                and va.dtype == torch.float32 and bool(tuple(va.shape) == tuple(vr.shape)))
+                and va.dtype == torch.float32 and bool(tuple(va.shape) == tuple(vr.shape))
+                and (norm_shape is None or list(norm_shape) == [va.shape[-1]]))
     except Exception:  # a symbolic shape the comparison cannot decide
         same = False
     return (c, r, w, b, eps) if same else None
-
-
-def _last_dim(a: fx.Node):
-    val = a.meta.get("val")
-    return val.shape[-1] if isinstance(val, torch.Tensor) and val.dim() else None
 
 
 def fuse_add_layernorm_bf16(gm: fx.GraphModule) -> list[tuple]:
