@@ -290,3 +290,36 @@ def test_uncapturable_model_under_compile_is_fused_in_dynamos_pieces(cls):
             torch.testing.assert_close(compiled(inp), model(inp), rtol=1e-5, atol=1e-5)
     counts = [r.pattern for g in backend.COMPILED for rep in g.reports for r in rep.fused]
     assert counts.count("linear_add_layernorm") >= 2, counts  # each block fused in its own piece
+
+
+class _EagerAttention(torch.nn.Module):
+    """softmax(q·kᵀ·s)·v spelled without a mask (three scalings), or SDPA without a mask."""
+
+    def __init__(self, spelling):
+        super().__init__()
+        self.spelling = spelling
+
+    def forward(self, q, k, v):
+        if self.spelling == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, scale=0.25)
+        if self.spelling == "qscaled":
+            return ((q * 0.25) @ k.transpose(-1, -2)).softmax(-1) @ v
+        scores = q @ k.transpose(-1, -2)
+        return (scores * 0.25 if self.spelling == "scaled" else scores).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("spelling", ["scaled", "qscaled", "unscaled", "sdpa"])
+def test_nan_in_one_query_row_without_a_mask_is_eagers(spelling):
+    """A NaN in one query element, no mask: eager's softmax(q·kᵀ)·v gives that query row NaN,
+    where ATen's CPU flash kernel (the fused op's) returns a zero row; the fused plan gives
+    eager's NaN positions and values for every spelling (an SDPA source: what SDPA gives)."""
+    model = _EagerAttention(spelling).eval()
+    q, k, v = (torch.randn(2, 3, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    fused = opfuse.optimize(model, (q, k, v), decide="rho")
+    assert fused.report.counts() == {"attention": 1}
+    q[1, 2, 5, 7] = float("nan")
+    with torch.no_grad():
+        out, ref = fused(q, k, v), model(q, k, v)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert bool(ref.isnan().any()) == (spelling != "sdpa")
+    assert torch.allclose(out, ref, equal_nan=True, atol=1e-5, rtol=1e-5)

@@ -316,6 +316,11 @@ def check(match) -> str | None:
         # one K/V head broadcasts over the query heads (multi-query attention: Falcon), which is
         # grouped-query attention with one group; other counts make SDPA itself raise
         return f"SDPA with {q[1]} query heads and {k[1]} key heads but enable_gqa=False"
+    # an eager spelling without a mask: softmax(q·kᵀ)·v of a query row holding a NaN is a NaN
+    # row, where ATen's CPU flash kernel without a mask returns 0 (torch 2.13; with a mask it
+    # gives NaN); an SDPA source computes what the kernel does
+    match.params["nan_query_rows"] = not match.pattern.variant.startswith("sdpa") and \
+        "mask" not in match.inputs and "bias" not in match.inputs and "fill" not in match.literals
     return check_float(match, "q", "k", "v")
 
 
@@ -339,6 +344,9 @@ def build(graph, inputs, literals, params):
     if bias is not None:  # one additive mask: bias + mask, at their broadcast shape
         mask = graph.call_function(aten.add.Tensor, (bias, mask))
     out = graph.call_function(op, (q, k, v, mask, params["scale"], params["is_causal"]))
+    if params.get("nan_query_rows"):  # keep eager's NaN for query rows holding a NaN (check)
+        bad = graph.call_function(aten.any.dim, (graph.call_function(aten.isnan.default, (q,)), -1, True))
+        out = graph.call_function(aten.masked_fill.Scalar, (out, bad, float("nan")))
     if params.get("dead_rows_nan"):  # keep eager's NaN for query rows whose mask is all -inf
         dead = graph.call_function(aten.all.dim, (graph.call_function(aten.isneginf.default, (mask,)), -1, True))
         out = graph.call_function(aten.masked_fill.Scalar, (out, dead, float("nan")))
