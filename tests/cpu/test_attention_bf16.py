@@ -312,13 +312,14 @@ def test_sdpa_with_dropout_or_gqa_is_not_a_site():
     assert not P._attention_site(drop) and not P._attention_site(gqa)
 
 
-def test_generate_with_bf16_attention_in_prefill_and_decode(monkeypatch):
+def test_generate_with_bf16_attention_in_prefill_and_decode(monkeypatch, tmp_path):
     """GPT-2 (no GQA) with every region bf16: prefill (causal, Sq = Sk) and decode (one query
     row against the preallocated cache, masked) attention run opfuse.attention_bf16; greedy
     tokens equal eager's here, the logits within the bf16 budget."""
     import transformers as T
 
     import opfuse
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))  # no region timings cached by other runs
     monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows, warm=None: {"fp32": 2e-4, "bf16": 1e-4})
     monkeypatch.setattr(P, "busy", lambda: "test: not cached")
     torch.manual_seed(0)

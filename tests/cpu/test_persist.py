@@ -305,6 +305,7 @@ def test_bf16_plan_round_trip(tmp_path, monkeypatch, name, options, op):
     """A precision="bf16" plan (bf16 attention, the fused bf16 SkipLayerNorm, prepacked bf16
     weights) saves and loads with equal outputs."""
     from opfuse import precision as P
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path / "cache"))  # no region timings cached by other runs
     monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows, warm=None: {"fp32": 2e-4, "bf16": 1e-4})
     monkeypatch.setattr(P, "busy", lambda: "test: not cached")
     loaded = load_model(name, batch=2, seq=16)
