@@ -471,7 +471,8 @@ _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", 
 def _attention_call(n: fx.Node) -> tuple | None:
     """``(q, k, v, mask, scale, is_causal)`` of an opfuse.attention node, or of an ATen SDPA
     node (a model run with attn_implementation="sdpa": its keyword arguments read, the
-    default scale 1/√D filled in) without dropout or ``enable_gqa``; None otherwise."""
+    default scale 1/√D filled in; ``enable_gqa`` read from the shapes) without dropout; None
+    otherwise."""
     if n.op != "call_function":
         return None
     if n.target is torch.ops.opfuse.attention.default:
@@ -479,7 +480,7 @@ def _attention_call(n: fx.Node) -> tuple | None:
     if n.target is not _SDPA:
         return None
     call = dict(zip(_SDPA_PARAMS, n.args)) | dict(n.kwargs)
-    if set(call) - set(_SDPA_PARAMS) or call.get("dropout_p", 0.0) != 0.0 or call.get("enable_gqa", False):
+    if set(call) - set(_SDPA_PARAMS) or call.get("dropout_p", 0.0) != 0.0:
         return None
     scale = call.get("scale")
     if scale is None:
@@ -493,7 +494,8 @@ def _attention_call(n: fx.Node) -> tuple | None:
 
 def _attention_site(n: fx.Node) -> bool:
     """An attention (opfuse.attention or ATen SDPA, :func:`_attention_call`) that
-    opfuse.attention_bf16 computes (no GQA; causal only with Sq = Sk), by the nodes'
+    opfuse.attention_bf16 computes (grouped-query heads in its ATen form only; causal only
+    with Sq = Sk), by the nodes'
     recorded shapes."""
     call = _attention_call(n)
     if call is None:
@@ -501,8 +503,9 @@ def _attention_site(n: fx.Node) -> bool:
     q, k = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in call[:2])
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)) or q.dim() != 4:
         return False
-    try:
-        return bool(q.shape[1] == k.shape[1]) and not (call[5] and bool(q.shape[-2] != k.shape[-2]))
+    try:  # grouped-query heads only in the ATen form (ATTENTION_FORMS), which maps them by index
+        heads = bool(q.shape[1] == k.shape[1]) or ("aten" in ATTENTION_FORMS and bool(q.shape[1] % k.shape[1] == 0))
+        return heads and not (call[5] and bool(q.shape[-2] != k.shape[-2]))
     except Exception:  # a symbolic shape the comparison cannot decide: not a site
         return False
 
@@ -640,7 +643,8 @@ def _attention_region(node: fx.Node, env: dict, call: tuple, values: list, m: in
     q, k = values[0], values[1]
     if not isinstance(env.get(node), torch.Tensor) or not isinstance(k, torch.Tensor) or \
             (isinstance(call[3], fx.Node) and not isinstance(values[3], torch.Tensor)):
-        return None  # (GQA and causal Sq ≠ Sk were left out by _attention_site)
+        return None  # (causal Sq ≠ Sk was left out by _attention_site)
+    gqa = bool(q.shape[1] != k.shape[1])  # grouped-query heads: the ATen form only (_attention_site)
     low = torch.ops.opfuse.attention_bf16.default
     # q, k, v from GEMM sites: once those run in bf16 they arrive rounded to bf16, and what
     # this region adds is its error on those rounded values (measured on MiniLM: the shifted
@@ -655,12 +659,13 @@ def _attention_region(node: fx.Node, env: dict, call: tuple, values: list, m: in
     timed_values = [t.to(torch.bfloat16) if fed and i < 3 else t for i, t in enumerate(values)]
     with torch.no_grad():
         ref_r = torch.ops.opfuse.attention.default(*rounded) if fed else env[node]
-        shift = "opfuse" in ATTENTION_FORMS and not _relative_error(low(*rounded, False), ref_r) <= UNSHIFTED_SHARE * tol
+        names = ("aten",) if gqa else ATTENTION_FORMS
+        shift = "opfuse" in names and not _relative_error(low(*rounded, False), ref_r) <= UNSHIFTED_SHARE * tol
         forms = {"opfuse": (shift, False), "aten": (True, True)}
-        forms = {f: forms[f] for f in ATTENTION_FORMS
-                 if f == "opfuse" or len(ATTENTION_FORMS) == 1 or _relative_error(low(*rounded, *forms[f]), ref_r) <= tol}
+        forms = {f: forms[f] for f in names
+                 if f == "opfuse" or len(names) == 1 or _relative_error(low(*rounded, *forms[f]), ref_r) <= tol}
     shape = f"{'x'.join(str(as_int(s)) for s in q.shape)}, Sk={as_int(k.shape[-2])}, mask={values[3] is not None}, " \
-            f"causal={values[5]}"
+            f"causal={values[5]}" + (f", Hkv={as_int(k.shape[1])}" if gqa else "")
     form, _ = _attention_form(f"bf16 attention v{attention_bf16_version} forms {'/'.join(forms)} ({shape}"
                               f"{', shifted' if shift else ''}{', bf16 q/k/v' if fed else ''})",
                               {f: (lambda a=a: low(*timed_values, *a)) for f, a in forms.items()})

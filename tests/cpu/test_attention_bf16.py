@@ -295,21 +295,50 @@ def test_aten_sdpa_nodes_are_precision_sites_too():
     assert _rel(out, ref.double()) < 2e-2
 
 
-def test_sdpa_with_dropout_or_gqa_is_not_a_site():
-    """_attention_call reads SDPA's arguments; dropout or enable_gqa: not computed in bf16."""
+def test_sdpa_with_dropout_is_not_a_site_and_gqa_only_in_the_aten_form(monkeypatch):
+    """_attention_call reads SDPA's arguments; dropout: not computed in bf16; grouped-query
+    heads (enable_gqa, 2 query heads on 1 key head): a site only while the ATen form is allowed."""
     from torch import fx
     g = fx.Graph()
     q, k, v = (g.placeholder(n) for n in "qkv")
-    for node in (q, k, v):
-        node.meta["val"] = torch.empty(1, 2, 4, 16)
+    q.meta["val"] = torch.empty(1, 2, 4, 16)
+    for node in (k, v):
+        node.meta["val"] = torch.empty(1, 1, 4, 16)
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
-    plain = g.call_function(sdpa, (q, k, v), {"is_causal": True})
-    drop = g.call_function(sdpa, (q, k, v, None, 0.1))
+    plain = g.call_function(sdpa, (q, q, q), {"is_causal": True})
+    drop = g.call_function(sdpa, (q, q, q, None, 0.1))
     gqa = g.call_function(sdpa, (q, k, v), {"enable_gqa": True})
-    assert P._attention_call(plain) == (q, k, v, None, 0.25, True)  # the default scale 1/√16
+    assert P._attention_call(plain) == (q, q, q, None, 0.25, True)  # the default scale 1/√16
     assert P._attention_site(plain)
-    assert P._attention_call(drop) is None and P._attention_call(gqa) is None
-    assert not P._attention_site(drop) and not P._attention_site(gqa)
+    assert P._attention_call(drop) is None and not P._attention_site(drop)
+    assert P._attention_call(gqa) == (q, k, v, None, 0.25, False)
+    assert not P._attention_site(gqa)  # opfuse's kernel only (this file's fixture)
+    monkeypatch.setattr(P, "ATTENTION_FORMS", ("opfuse", "aten"))
+    assert P._attention_site(gqa)
+
+
+def test_grouped_query_attention_goes_bf16_in_the_aten_form(monkeypatch):
+    """Llama (GQA 4 query heads on 2 key heads): with the ATen form allowed, each attention is
+    a site, lowered to attention_bf16(aten=True) whatever the form timing (the only form for
+    grouped heads); outputs within the bf16 budget of eager's."""
+    monkeypatch.setattr(P, "ATTENTION_FORMS", ("opfuse", "aten"))
+    import opfuse
+    from opfuse.models import load
+    loaded = load("llama-tiny", batch=2, seq=16)
+    fused = opfuse.optimize(loaded.model, loaded.args, example_kwargs=loaded.kwargs, decide="rho")
+    gm = next(iter(fused._plans.values())).gm
+    sites = [n for n in P._sites(gm) if P._attention_call(n) is not None]
+    assert len(sites) == 4 and all(n.args[0].meta["val"].shape[1] == 2 * n.args[1].meta["val"].shape[1]
+                                   for n in sites)
+    info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER)
+    att = [g for g in info["gemms"] if g["region"] == "attention"]
+    assert [g["precision"] for g in att] == ["bf16"] * 4 and all("ATen's SDPA" in g["reason"] for g in att)
+    nodes = [n for n in gm.graph.nodes if n.target is torch.ops.opfuse.attention_bf16.default]
+    assert len(nodes) == 4 and all(len(n.args) == 8 and n.args[7] is True for n in nodes)
+    with torch.no_grad():
+        out = P._outputs(gm, loaded.args, loaded.kwargs)[0]
+        ref = loaded.model(*loaded.args, **loaded.kwargs)[0]
+    assert _rel(out, ref.double()) < 5e-2
 
 
 def test_generate_with_bf16_attention_in_prefill_and_decode(monkeypatch, tmp_path):
