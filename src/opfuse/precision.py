@@ -310,7 +310,7 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
             err = region.own_error() if own else _relative_error(region.bf16(), region.out)
         if errors is not None and node.name in errors:
             err = errors[node.name]
-        key = f"{cpu_model()} | torch {torch.__version__} | threads {torch.get_num_threads()} | {region.label}" + (
+        key = _timing_key(region.label) + (
             " | cold" if region.m <= COLD_ROWS else "")
         timed = region.bf16_timed or region.bf16
         times = timer(node, region.fp32, timed) if timer else cache.get(key)
@@ -607,6 +607,11 @@ UNSHIFTED_SHARE = 0.5
 ATTENTION_FORMS = ("opfuse", "aten")
 
 
+def _timing_key(label: str) -> str:
+    """The timing cache's key of a measurement ``label`` on this CPU, torch and thread count."""
+    return f"{cpu_model()} | torch {torch.__version__} | threads {torch.get_num_threads()} | {label}"
+
+
 def _attention_form(label: str, forms: dict[str, Callable]) -> tuple[str, dict]:
     """(the fastest of ``forms`` — name -> the bf16 attention as the plan would run it —,
     their median seconds), measured interleaved (:data:`ROUNDS`) and cached per CPU, torch
@@ -614,7 +619,7 @@ def _attention_form(label: str, forms: dict[str, Callable]) -> tuple[str, dict]:
     if len(forms) == 1:
         return next(iter(forms)), {}
     from .bench.timing import interleaved
-    key = f"{cpu_model()} | torch {torch.__version__} | threads {torch.get_num_threads()} | {label}"
+    key = _timing_key(label)
     cache = load_cache(CACHE)
     times = cache.get(key)
     if not isinstance(times, dict) or set(times) != set(forms):

@@ -6,13 +6,13 @@ one dynamic plan (``optimize(dynamic=True)``, planned once at a typical size bef
 stream), ONNX Runtime on an export with dynamic batch and sequence axes, OpenVINO with
 dynamic input shapes (float32); and, for the bf16 comparison, ``opfuse-bf16`` (the same
 dynamic plan with ``precision="bf16"``) and ``openvino-default`` (OpenVINO at the device's
-default precision: bf16 on a CPU with native bf16). Requests are served round-robin (every system runs request i before
-anyone runs request i + 1; the order of systems rotates per request), so machine noise
-hits all alike. Per system: total seconds over the stream, p50 / p99 latency, the largest
-per-request latency, the p50 and p99 of each request's time relative to eager's on the
-same request (a stall — a re-plan, a recompile — shows as a p99 far above the p50, whatever
-the lengths), max |Δ| of the first output vs eager over the valid positions, and the
-one-time cost before the stream (optimize / export / compile).
+default precision: bf16 on a CPU with native bf16). Requests are served round-robin (every
+system runs request i before anyone runs request i + 1; the order of systems rotates per
+request), so machine noise hits all alike. Per system: total seconds over the stream, p50
+/ p99 latency, the largest per-request latency, the p50 and p99 of each request's time
+relative to eager's on the same request (a stall — a re-plan, a recompile — shows as a p99
+far above the p50, whatever the lengths), max |Δ| of the first output vs eager over the
+valid positions, and the one-time cost before the stream (optimize / export / compile).
 """
 
 from __future__ import annotations
