@@ -1,14 +1,18 @@
 """opfuse.add_layernorm_bf16 (precision="bf16"'s SkipLayerNorm: a bf16 GEMM's output + the
 float32 residual, LayerNorm, written in float32 and bf16) against the float64 oracle; its
 bf16 output is its float32 output rounded; NaN rows as eager's; refused inputs named; in
-the precision pass it replaces cast + add + layer_norm + cast, and is undone exactly."""
+the precision pass it replaces cast + add + layer_norm + cast, and is undone exactly. Its
+in-place form writes the same bits into its inputs, and runs only where nothing reads them
+again (not where the hidden states are returned)."""
+
+import copy
 
 import pytest
 import torch
 
 from opfuse import precision as P
 from opfuse.kernels import reference
-from opfuse.kernels.cpu.add_layernorm_bf16 import add_layernorm_bf16
+from opfuse.kernels.cpu.add_layernorm_bf16 import add_layernorm_bf16, add_layernorm_bf16_
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="bf16 plans run through oneDNN")
 FASTER = lambda node, fp32, bf16: {"fp32": 2e-4, "bf16": 1e-4}  # noqa: E731  injected clock
@@ -74,8 +78,12 @@ def test_the_precision_pass_fuses_cast_add_layernorm_cast():
     ref = P._outputs(gm, loaded.args, loaded.kwargs)
     info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER)
     assert info["add_layernorm_bf16"] == 12
+    # each one's inputs (the GEMM's bf16 result, the residual stream) are read nowhere else
+    # afterwards: all twelve run in place, the residual stream one buffer
+    assert info["add_layernorm_bf16_inplace"] == 12
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert targets.count(torch.ops.opfuse.add_layernorm_bf16.default) == 12
+    assert targets.count(torch.ops.opfuse.add_layernorm_bf16_.default) == 12
+    assert targets.count(torch.ops.opfuse.add_layernorm_bf16.default) == 0
     assert targets.count(torch.ops.aten.layer_norm.default) == 1  # the embeddings' LayerNorm
     e2e = P.end_to_end(P._outputs(gm, loaded.args, loaded.kwargs), ref)
     assert e2e["min_cosine"] >= P.COSINE_MIN and e2e["max_error"] <= P.E2E_FACTOR * info["tolerance"]
@@ -83,6 +91,7 @@ def test_the_precision_pass_fuses_cast_add_layernorm_cast():
 
     from opfuse.report.text import precision_line
     assert "12 add + LayerNorm after a bf16 GEMM fused" in precision_line(SimpleNamespace(precision=info))
+    assert "12 in place)" in precision_line(SimpleNamespace(precision=info))
 
 
 def test_undone_exactly(monkeypatch):
@@ -125,7 +134,76 @@ def test_the_fused_float32_add_layernorm_is_taken_over_too():
     info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER)
     assert info["add_layernorm_bf16"] == 12
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert targets.count(torch.ops.opfuse.add_layernorm_bf16.default) == 12
+    assert targets.count(torch.ops.opfuse.add_layernorm_bf16.default) \
+        + targets.count(torch.ops.opfuse.add_layernorm_bf16_.default) == 12
     assert targets.count(torch.ops.opfuse.add_layernorm.default) == 1
     e2e = P.end_to_end(P._outputs(gm, loaded.args, loaded.kwargs), ref)
     assert e2e["min_cosine"] >= P.COSINE_MIN and e2e["max_error"] <= P.E2E_FACTOR * info["tolerance"]
+
+
+def test_in_place_form_writes_the_same_bits_into_its_inputs():
+    x, r, w, b = _inputs(m=17, n=64, offset=3.0)
+    x[2, 5] = float("nan")  # NaN rows as the functional form's
+    out, out_b = add_layernorm_bf16(x, r, w, b, 1e-5)
+    xi, ri = x.clone(), r.clone()
+    assert torch.ops.opfuse.add_layernorm_bf16_(xi, ri, w, b, 1e-5) is None
+    assert torch.equal(ri.nan_to_num(7.0), out.nan_to_num(7.0)) and torch.equal(xi.nan_to_num(7.0), out_b.nan_to_num(7.0))
+    ref, _ = reference.add_layernorm(x, r, w, b, 1e-5, False)
+    keep = ~ref.isnan().any(-1)
+    assert float((ri[keep].double() - ref[keep]).abs().max()) < 1e-4 * float(ref[keep].abs().max())
+    with pytest.raises(ValueError, match="add_layernorm_bf16_: x and residual must be contiguous"):
+        add_layernorm_bf16_(x, r.t().contiguous().t(), w, b, 1e-5)
+
+
+def test_in_place_only_where_nothing_reads_the_inputs_again():
+    """output_hidden_states=True returns every layer's hidden state: the attention block's
+    SkipLayerNorm would overwrite the layer's input, a graph output, so those six stay
+    functional; the FFN's six overwrite the attention block's output (read nowhere else) and
+    run in place. The hidden states are bit for bit those of the plan without the pass."""
+    import opfuse
+    from opfuse.models import load
+    loaded = load("minilm", batch=2, seq=9)
+    loaded.model.config.output_hidden_states = True
+    fused = opfuse.optimize(loaded.model, loaded.args, example_kwargs=loaded.kwargs, decide="rho", gemm="onednn",
+                            theta=1.5)
+    gm = next(iter(fused._plans.values())).gm
+    plain = copy.deepcopy(gm)
+    info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER)
+    assert info["add_layernorm_bf16"] == 12 and info["add_layernorm_bf16_inplace"] == 6
+    outs = P._outputs(gm, loaded.args, loaded.kwargs)
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(P, "inplace_add_layernorm_bf16", lambda g: [])
+    try:
+        P.apply_precision(plain, loaded.args, loaded.kwargs, "bf16", timer=FASTER)
+    finally:
+        monkey.undo()
+    assert all(torch.equal(a, b) for a, b in zip(outs, P._outputs(plain, loaded.args, loaded.kwargs)))
+    assert len(outs) >= 7  # last_hidden_state, pooler output, 7 hidden states
+    with torch.no_grad():
+        eager = loaded.model(*loaded.args, **loaded.kwargs)
+    for got, want in zip(outs[-7:], eager.hidden_states):
+        assert float((got - want).abs().max()) < 0.1 * float(want.abs().max())
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.opfuse.add_layernorm_bf16_.default) == 6
+    assert targets.count(torch.ops.opfuse.add_layernorm_bf16.default) == 6
+
+
+def test_optimized_module_in_place_is_repeatable_and_leaves_inputs_alone():
+    """precision="bf16" end to end: the in-place SkipLayerNorms reuse the plan's own buffers,
+    so two calls give the same bits, the inputs are unchanged, and the output is within the
+    bf16 budget of eager's."""
+    import opfuse
+    from opfuse.models import load
+    loaded = load("minilm", batch=2, seq=16)
+    ids, mask = (t.clone() for t in loaded.args)
+    fused = opfuse.optimize(loaded.model, loaded.args, example_kwargs=loaded.kwargs, precision="bf16")
+    p = fused.report.precision
+    with torch.no_grad():
+        a = fused(*loaded.args, **loaded.kwargs)[0].clone()
+        b = fused(*loaded.args, **loaded.kwargs)[0]
+        eager = loaded.model(*loaded.args, **loaded.kwargs)[0]
+    assert torch.equal(a, b)
+    assert torch.equal(loaded.args[0], ids) and torch.equal(loaded.args[1], mask)
+    cos = torch.nn.functional.cosine_similarity(a.flatten(1), eager.flatten(1)).min()
+    assert float(cos) >= P.COSINE_MIN
+    assert p["add_layernorm_bf16_inplace"] <= p["add_layernorm_bf16"]

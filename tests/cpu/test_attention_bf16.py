@@ -183,19 +183,41 @@ def test_bf16_attention_reads_and_writes_bf16_bit_for_bit(monkeypatch, form):
     loaded, gm, info = planned(True)
     _, gm_kept, _ = planned(False)
     assert info["attention_bf16_io"] == 2
-    nodes = [n for n in gm.graph.nodes if n.target is torch.ops.opfuse.attention_bf16.default]
+    # the ATen form on bf16 q, k, v is ATen's SDPA called directly (direct_sdpa), no custom op
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    assert info["direct_sdpa"] == (2 if form == "aten" else 0)
+    nodes = [n for n in gm.graph.nodes if n.target in (torch.ops.opfuse.attention_bf16.default, sdpa)]
     assert len(nodes) == 2
     for n in nodes:
-        assert (len(n.args) == 8 and n.args[7] is True) == (form == "aten")
+        assert (n.target is sdpa) == (form == "aten")
+        if form == "aten":
+            assert n.kwargs["enable_gqa"] is False and n.kwargs["scale"] > 0 and n.kwargs["attn_mask"] is not None
         for a in n.args[:3]:  # q, k, v: views of the bf16 QKV GEMM's result, no cast between
             while P._is_view(a):
                 a = a.args[0]
             assert a.target is torch.ops.mkldnn._linear_pointwise.default
-        assert n.meta["val"].dtype is torch.bfloat16
+        assert form == "aten" or n.meta["val"].dtype is torch.bfloat16
     with torch.no_grad():
         out, kept = P._outputs(gm, loaded.args, loaded.kwargs), P._outputs(gm_kept, loaded.args, loaded.kwargs)
     assert all(torch.equal(a, b) for a, b in zip(out, kept))
     assert out[0].dtype is torch.float32
+
+
+def test_direct_sdpa_is_the_aten_form_bit_for_bit(monkeypatch):
+    """The plan with ATen's SDPA called directly gives the same bits as the same plan with
+    opfuse.attention_bf16(aten=True) kept (direct_sdpa switched off)."""
+    monkeypatch.setattr(P, "ATTENTION_FORMS", ("aten",))
+    loaded, gm = _plan()
+    info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER)
+    loaded2, kept = _plan()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(P, "direct_sdpa", lambda gm: 0)
+        P.apply_precision(kept, loaded2.args, loaded2.kwargs, "bf16", timer=FASTER)
+    assert info["direct_sdpa"] == 2
+    assert sum(n.target is torch.ops.opfuse.attention_bf16.default for n in kept.graph.nodes) == 2
+    with torch.no_grad():
+        a, b = P._outputs(gm, loaded.args, loaded.kwargs), P._outputs(kept, loaded.args, loaded.kwargs)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def test_unshifted_scores_where_accurate_enough_else_shifted():
@@ -429,8 +451,9 @@ def test_the_faster_attention_form_is_the_plans(monkeypatch, form):
     att = [g for g in info["gemms"] if g["region"] == "attention"]
     assert [g["precision"] for g in att] == ["bf16", "bf16"]
     assert all(("ATen's SDPA" in g["reason"]) == (form == "aten") for g in att)
-    nodes = [n for n in gm.graph.nodes if n.target is torch.ops.opfuse.attention_bf16.default]
-    assert [len(n.args) == 8 and n.args[7] is True for n in nodes] == [form == "aten"] * 2
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default  # the ATen form, called directly (direct_sdpa)
+    nodes = [n for n in gm.graph.nodes if n.target in (torch.ops.opfuse.attention_bf16.default, sdpa)]
+    assert [n.target is sdpa for n in nodes] == [form == "aten"] * 2
     with torch.no_grad():
         out = P._outputs(gm, loaded.args, loaded.kwargs)[0]
         ref = loaded.model(*loaded.args, **loaded.kwargs)[0]

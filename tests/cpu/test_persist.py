@@ -297,22 +297,26 @@ def test_decoder_dynamic_round_trip(tmp_path):
     assert back.report.counts().get("rope", 0) > 0 and len(back.reports) == 1
 
 
-@pytest.mark.parametrize("name, options, op", [
-    ("bert-tiny", {}, "attention_bf16"),
-    ("minilm", {"theta": 1.5, "gemm": "onednn"}, "add_layernorm_bf16"),  # nothing fused: plain add + LayerNorm
+@pytest.mark.parametrize("name, options, forms, op", [
+    ("bert-tiny", {}, ("opfuse",), "opfuse.attention_bf16"),
+    ("bert-tiny", {}, ("aten",), "aten.scaled_dot_product_attention"),  # the ATen form, called directly
+    # nothing fused: plain add + LayerNorm, which becomes the bf16 SkipLayerNorm, in place
+    ("minilm", {"theta": 1.5, "gemm": "onednn"}, ("opfuse",), "opfuse.add_layernorm_bf16_"),
 ])
-def test_bf16_plan_round_trip(tmp_path, monkeypatch, name, options, op):
-    """A precision="bf16" plan (bf16 attention, the fused bf16 SkipLayerNorm, prepacked bf16
-    weights) saves and loads with equal outputs."""
+def test_bf16_plan_round_trip(tmp_path, monkeypatch, name, options, forms, op):
+    """A precision="bf16" plan (bf16 attention in either form, the fused bf16 SkipLayerNorm in
+    place, prepacked bf16 weights) saves and loads with equal outputs."""
     from opfuse import precision as P
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path / "cache"))  # no region timings cached by other runs
+    monkeypatch.setattr(P, "ATTENTION_FORMS", forms)
     monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows, warm=None: {"fp32": 2e-4, "bf16": 1e-4})
     monkeypatch.setattr(P, "busy", lambda: "test: not cached")
     loaded = load_model(name, batch=2, seq=16)
     fused = opfuse.optimize(loaded.model, loaded.args, example_kwargs=loaded.kwargs, precision="bf16",
                             decide="rho", **options)
     targets = [n.target for n in next(iter(fused._plans.values())).gm.graph.nodes]
-    assert getattr(torch.ops.opfuse, op).default in targets
+    namespace, name_ = op.split(".")
+    assert getattr(getattr(torch.ops, namespace), name_).default in targets
     back = opfuse.load(opfuse.save(fused, tmp_path / "bf16"))
     with torch.no_grad():
         assert torch.equal(back(*loaded.args, **loaded.kwargs).last_hidden_state,

@@ -137,6 +137,23 @@ def check_add_layernorm_bf16(
     return check_row_affine(op, x, weight, bias)
 
 
+def check_add_layernorm_bf16_inplace(
+    x: torch.Tensor,  # [..., N] bf16, contiguous (overwritten)
+    residual: torch.Tensor,  # [..., N] float32, contiguous (overwritten)
+    weight: torch.Tensor,  # [N] float32
+    bias: torch.Tensor | None,  # [N] float32
+    *,
+    device_type: DeviceType,
+) -> int:
+    """:func:`check_add_layernorm_bf16`, and x and residual contiguous (the in-place form
+    writes its results into them). Returns N."""
+    n = check_add_layernorm_bf16(x, residual, weight, bias, device_type=device_type)
+    if not (x.is_contiguous() and residual.is_contiguous()):
+        raise ValueError("opfuse.add_layernorm_bf16_: x and residual must be contiguous (the results are written "
+                         f"into them), got strides {tuple(x.stride())} and {tuple(residual.stride())}")
+    return n
+
+
 def check_broadcast_rows(op: str, name: str, t: torch.Tensor, x: torch.Tensor) -> None:
     """``t`` broadcasts to ``x``'s shape over the leading dims only (same last dim; e.g.
     position embeddings [1, S, E] added to [B, S, E]): the kernels expand it row-wise."""
@@ -425,6 +442,7 @@ OP_CHECKS = {
     "add_layernorm": lambda x, r, w, b, eps, **d: check_add_layernorm(x, r, w, b, **d),
     "add_layernorm_sum": lambda x, r, w, b, eps, **d: check_add_layernorm(x, r, w, b, **d),
     "add_layernorm_bf16": lambda x, r, w, b, eps, **d: check_add_layernorm_bf16(x, r, w, b, **d),
+    "add_layernorm_bf16_": lambda x, r, w, b, eps, **d: check_add_layernorm_bf16_inplace(x, r, w, b, **d),
     "layernorm_gelu": lambda x, w, b, eps, a, **d: check_layernorm_gelu(x, w, b, a, **d),
     "linear_bias_gelu": lambda x, w, b, a, **d: check_linear_bias_gelu(x, w, b, a, **d),
     "linear_residual": lambda x, w, b, r, **d: check_linear_residual(x, w, b, r, **d),

@@ -7,6 +7,7 @@ op and imports the CPU kernels (which register themselves).
     opfuse::add_layernorm(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> Tensor
     opfuse::add_layernorm_sum(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> (Tensor, Tensor)
     opfuse::add_layernorm_bf16(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> (Tensor, Tensor)
+    opfuse::add_layernorm_bf16_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, Tensor? bias, float eps) -> ()
     opfuse::layernorm_gelu(Tensor x, Tensor weight, Tensor? bias, float eps, str approximate) -> Tensor
     opfuse::linear_bias_gelu(Tensor x, Tensor weight, Tensor bias, str approximate) -> Tensor
     opfuse::linear_residual(Tensor x, Tensor weight, Tensor? bias, Tensor residual) -> Tensor
@@ -55,6 +56,7 @@ SCHEMAS: dict[str, str] = {
     "add_layernorm": "(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> Tensor",
     "add_layernorm_sum": "(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> (Tensor, Tensor)",
     "add_layernorm_bf16": "(Tensor x, Tensor residual, Tensor weight, Tensor? bias, float eps) -> (Tensor, Tensor)",
+    "add_layernorm_bf16_": "(Tensor(a!) x, Tensor(b!) residual, Tensor weight, Tensor? bias, float eps) -> ()",
     "layernorm_gelu": "(Tensor x, Tensor weight, Tensor? bias, float eps, str approximate) -> Tensor",
     "linear_bias_gelu": "(Tensor x, Tensor weight, Tensor bias, str approximate) -> Tensor",
     "linear_residual": "(Tensor x, Tensor weight, Tensor? bias, Tensor residual) -> Tensor",
@@ -120,6 +122,16 @@ def add_layernorm_bf16(
 @add_layernorm_bf16.register_fake
 def _(x, residual, weight, bias, eps):
     return x.new_empty(x.shape, dtype=torch.float32), x.new_empty(x.shape, dtype=torch.bfloat16)
+
+
+@_op("add_layernorm_bf16_")  # the in-place form: results written into x (bf16) and residual (float32)
+def add_layernorm_bf16_(x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> None:
+    lookup("add_layernorm_bf16_", x.device.type)(x, residual, weight, bias, eps)
+
+
+@add_layernorm_bf16_.register_fake
+def _(x, residual, weight, bias, eps):
+    return None
 
 
 # --- layernorm_gelu --------------------------------------------------------------------

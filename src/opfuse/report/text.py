@@ -92,9 +92,12 @@ def precision_line(report) -> str:
              + (f" (worst of {e2e['inputs']} input sizes)" if e2e.get("inputs") else "") if e2e else "")
     back = f"; {p['reverted']} put back to float32 by the whole-model check" if p.get("reverted") else ""
     if p.get("add_layernorm_bf16"):
-        back += f"; {p['add_layernorm_bf16']} add + LayerNorm after a bf16 GEMM fused (float32 and bf16 out)"
+        back += f"; {p['add_layernorm_bf16']} add + LayerNorm after a bf16 GEMM fused (float32 and bf16 out"
+        back += f", {p['add_layernorm_bf16_inplace']} in place)" if p.get("add_layernorm_bf16_inplace") else ")"
     if p.get("attention_bf16_io"):
         back += f"; {p['attention_bf16_io']} bf16 attentions read and write bf16"
+        if p.get("direct_sdpa"):
+            back += f" ({p['direct_sdpa']} as ATen's SDPA called directly)"
     kinds: dict = {}
     for g in gemms:
         if g["precision"] == "bf16":

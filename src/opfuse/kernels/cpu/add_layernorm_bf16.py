@@ -11,6 +11,15 @@ In a bf16 plan the same step ran as four ATen ops: x → float32, + residual, la
 The statistics are float32 with the row shift of :mod:`opfuse.kernels.cpu.add_layernorm`
 (y_j = (x_j − x_0) + (r_j − r_0), exact differences; mean and variance of y; Welford-free
 two-pass, as the float32 kernel). NaN stays NaN in both outputs (bf16 0x7FC0).
+
+``add_layernorm_bf16_`` is the in-place form a plan uses where neither input is read again
+(:func:`opfuse.precision.inplace_add_layernorm_bf16`): the float32 result overwrites the
+residual, the bf16 one x, row by row (each row is read whole into the float32 row before
+either is written: the same kernel, the same bits). No output buffers are allocated and the
+written lines are the ones just read, so the write-allocate reads of two fresh buffers go
+(read 2 + 4, write 4 + 2 bytes per element either way; measured on the Intel Xeon with AMX,
+BERT-base 1×128 bf16 plan, one thread: 38.8 vs 39.8 ms per forward, 40.4 vs 41.6 ms with
+the caches evicted before each).
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from opfuse.kernels.checks import check_add_layernorm_bf16
+from opfuse.kernels.checks import check_add_layernorm_bf16, check_add_layernorm_bf16_inplace
 from opfuse.kernels.cpu import _math
 from opfuse.kernels.cpu._launch import f32_vec, launch
 from opfuse.kernels.registry import register
@@ -76,3 +85,21 @@ def add_layernorm_bf16(
         xb, r2, f32_vec(weight, n), f32_vec(bias, n), np.float32(eps), out.numpy().reshape(-1, n),
         ob.view(torch.int16).numpy().reshape(-1, n).view(np.uint16))
     return out, ob
+
+
+@register("add_layernorm_bf16_", "cpu")
+def add_layernorm_bf16_(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> None:
+    """:func:`add_layernorm_bf16` in place: x [..., N] bf16 contiguous becomes the bf16
+    output, residual [..., N] float32 contiguous the float32 one (module docstring). Raises
+    ValueError (named) as :func:`add_layernorm_bf16`, and for non-contiguous x or residual
+    (:func:`opfuse.kernels.checks.check_add_layernorm_bf16_inplace`)."""
+    n = check_add_layernorm_bf16_inplace(x, residual, weight, bias, device_type="cpu")
+    xb = x.detach().view(torch.int16).numpy().reshape(-1, n).view(np.uint16)
+    r2 = residual.detach().numpy().reshape(-1, n)
+    launch(_add_layernorm_bf16_kernel, xb.size)(xb, r2, f32_vec(weight, n), f32_vec(bias, n), np.float32(eps), r2, xb)
