@@ -375,9 +375,9 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
         else:
             _unfuse_add_layernorm_bf16(gm, done)
             done = []
+    from .rewrite import drop_unused_parameters, is_impure
     info["add_layernorm_bf16_inplace"] = 0
     if done:  # exact: checked bit for bit against the plan before, undone if any output differs
-        from .rewrite import is_impure
         gm.graph.eliminate_dead_code(is_impure_node=is_impure)  # the replaced nodes: not readers
         before = [o.clone() for o in _outputs(gm, args, kwargs)]
         inplace = inplace_add_layernorm_bf16(gm)
@@ -389,7 +389,6 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
                     gm.graph.erase_node(n)
         else:
             _undo_inplace(gm, inplace)
-    from .rewrite import drop_unused_parameters, is_impure
     gm.graph.eliminate_dead_code(is_impure_node=is_impure)  # keeps a dynamic plan's assertions
     drop_unused_parameters(gm)
     gm.graph.lint()
@@ -1070,20 +1069,20 @@ def fuse_add_layernorm_bf16(gm: fx.GraphModule) -> list[tuple]:
 
 #: Ops whose result is a fresh tensor of their own (never an input's storage): a residual
 #: produced by one may be overwritten by :func:`inplace_add_layernorm_bf16` once nothing
-#: reads it again. ``(op, index)``: the ``index``-th result of a multi-output op.
-_FRESH = {(aten.layer_norm.default, None), (aten.add.Tensor, None)}
+#: reads it again; ``_FRESH_FIRST``: the same for the first result of a two-output op.
+_FRESH = frozenset({aten.layer_norm.default, aten.add.Tensor, torch.ops.opfuse.add_layernorm.default})
+_FRESH_FIRST = frozenset({torch.ops.opfuse.add_layernorm_bf16.default, torch.ops.opfuse.add_layernorm_sum.default})
 
 
 def _fresh(node) -> bool:
-    """``node``'s value is a tensor that the graph allocated for it alone (:data:`_FRESH`,
-    opfuse's SkipLayerNorms), not an input, a parameter or a view."""
+    """``node``'s value is a tensor that the graph allocated for it alone (:data:`_FRESH`),
+    not an input, a parameter or a view."""
     if not (isinstance(node, fx.Node) and node.op == "call_function"):
         return False
     if node.target is operator.getitem:
         src = node.args[0]
-        return isinstance(src, fx.Node) and src.op == "call_function" and node.args[1] == 0 and src.target in (
-            torch.ops.opfuse.add_layernorm_bf16.default, torch.ops.opfuse.add_layernorm_sum.default)
-    return (node.target, None) in _FRESH or node.target is torch.ops.opfuse.add_layernorm.default
+        return isinstance(src, fx.Node) and src.op == "call_function" and node.args[1] == 0 and src.target in _FRESH_FIRST
+    return node.target in _FRESH
 
 
 def _may_alias(node: fx.Node) -> bool:
