@@ -58,7 +58,9 @@ On a CPU without native bf16 (no ``avx512_bf16`` / ``amx_bf16``) oneDNN emulates
 measured on the Intel Ice Lake machines (one thread) a 128×768×768 GEMM ran 4.6x *slower*
 in bf16, a one-row GEMV over a 32000×512 LM head 1.5x faster (half the weight bytes), so
 the time gate keeps float32 where emulation loses and the report says the CPU has no native
-bf16. ``precision="fp16"`` has no CPU path: the report says so and the plan stays float32.
+bf16. On an AVX2-only CPU (the Zen 2 machines) oneDNN has no bf16 inner product at all
+(:func:`opfuse.kernels.cpu._gemm.onednn_bf16`): only the one-row GEMVs and attention are
+candidates there. ``precision="fp16"`` has no CPU path: the report says so and the plan stays float32.
 ``precision="fp32"`` (the default) changes nothing.
 """
 
@@ -75,6 +77,7 @@ from torch import fx
 
 from .cost.device import busy, cpu_model, load_cache, save_cache
 from .gemm import COLD_ROWS, is_wt_copy
+from .kernels.cpu._gemm import onednn_bf16
 from .graph.meta import concrete as as_int
 from .graph.state import note_derived
 
@@ -287,7 +290,14 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
         return info
     info["note"] = ("native bf16 (" + info["native"] + ")" if info["native"] else
                     "this CPU has no native bf16 (no avx512_bf16 / amx_bf16): oneDNN emulates it, so bf16 is kept "
-                    "only where measured faster")
+                    "only where measured faster" if onednn_bf16() else
+                    "this CPU has no bf16 GEMM in oneDNN (AVX2 only: no avx512_bf16 / amx_bf16 / AVX-512), so only "
+                    "the one-row GEMVs (opfuse.linear_bf16's bf16 weight stream) and attention are candidates, each "
+                    "kept only where measured faster")
+    from .kernels.cpu.attention_bf16 import aten_form_keeps_nonfinite
+    if not aten_form_keeps_nonfinite():
+        info["note"] += ("; ATen's bf16 SDPA loses NaN/inf positions its float32 SDPA keeps on this CPU (probed), "
+                         "so attention's bf16 form is opfuse's kernel only")
     from .verify import record_values
     env = record_values(gm, args, kwargs)
     inputs = [(args, kwargs)] + [tuple(x) for x in also]
@@ -569,6 +579,8 @@ def _region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict,
         return _attention_region(node, env, call, [env.get(a, a) if isinstance(a, fx.Node) else a for a in call], m, tol)
     values = [env.get(a, a) if isinstance(a, fx.Node) else a for a in node.args]
     fused = _fused_op(node)
+    if not onednn_bf16() and (fused is not None or m > COLD_ROWS):
+        return None  # its bf16 form is oneDNN's bf16 inner product, which this CPU lacks
     if fused == "linear_bias_gelu" and m > COLD_ROWS and node.args[3] in GELU_POST_OPS:
         # its bf16 form is oneDNN's GEMM with the GELU post-op (as the unfused GEMM + GELU
         # region): the bf16 result then feeds the next GEMM without a float32 round trip
@@ -660,6 +672,7 @@ def _attention_region(node: fx.Node, env: dict, call: tuple, values: list, m: in
     compares the chosen one's error with ``tol``). ``m`` = B·H·Sq rows, reported as m × k (D)
     × n (Sk)."""
     from .kernels.cpu.attention_bf16 import VERSION as attention_bf16_version
+    from .kernels.cpu.attention_bf16 import aten_form_keeps_nonfinite
     q, k = values[0], values[1]
     if not isinstance(env.get(node), torch.Tensor) or not isinstance(k, torch.Tensor) or \
             (isinstance(call[3], fx.Node) and not isinstance(values[3], torch.Tensor)):
@@ -679,7 +692,9 @@ def _attention_region(node: fx.Node, env: dict, call: tuple, values: list, m: in
     timed_values = [t.to(torch.bfloat16) if fed and i < 3 else t for i, t in enumerate(values)]
     with torch.no_grad():
         ref_r = torch.ops.opfuse.attention.default(*rounded) if fed else env[node]
-        names = ("aten",) if gqa else ATTENTION_FORMS
+        names = tuple(f for f in (("aten",) if gqa else ATTENTION_FORMS) if f != "aten" or aten_form_keeps_nonfinite())
+        if not names:
+            return None  # grouped-query heads, and ATen's bf16 SDPA loses non-finite values here
         shift = "opfuse" in names and not _relative_error(low(*rounded, False), ref_r) <= UNSHIFTED_SHARE * tol
         forms = {"opfuse": (shift, False), "aten": (True, True)}
         forms = {f: forms[f] for f in names

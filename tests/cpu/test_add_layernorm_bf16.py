@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from kernel_testing import needs_onednn_bf16
 
 from opfuse import precision as P
 from opfuse.kernels import reference
@@ -71,6 +72,7 @@ def _plan():
     return loaded, next(iter(fused._plans.values())).gm
 
 
+@needs_onednn_bf16
 def test_the_precision_pass_fuses_cast_add_layernorm_cast():
     """MiniLM (real weights), every region bf16: each LayerNorm after a bf16 GEMM (attention
     output, FFN output: 12) reads the GEMM's bf16 result and feeds the next GEMM bf16."""
@@ -94,6 +96,7 @@ def test_the_precision_pass_fuses_cast_add_layernorm_cast():
     assert "12 in place)" in precision_line(SimpleNamespace(precision=info))
 
 
+@needs_onednn_bf16
 def test_undone_exactly(monkeypatch):
     """fuse → undo gives the plan's outputs bit for bit (the end-to-end check's way back)."""
     real = P.fuse_add_layernorm_bf16
@@ -112,6 +115,7 @@ def test_undone_exactly(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
+@needs_onednn_bf16
 def test_the_fused_float32_add_layernorm_is_taken_over_too():
     """A plan whose SkipLayerNorms are already opfuse.add_layernorm (the float32 plan's fusion,
     as BERT-base's): after a bf16 GEMM each becomes opfuse.add_layernorm_bf16 as well (12), the
@@ -155,6 +159,7 @@ def test_in_place_form_writes_the_same_bits_into_its_inputs():
         add_layernorm_bf16_(x, r.t().contiguous().t(), w, b, 1e-5)
 
 
+@needs_onednn_bf16
 def test_in_place_only_where_nothing_reads_the_inputs_again():
     """output_hidden_states=True returns every layer's hidden state: the attention block's
     SkipLayerNorm would overwrite the layer's input, a graph output, so those six stay

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_testing import needs_onednn_bf16
 
 import opfuse
 from opfuse import persist
@@ -299,16 +300,20 @@ def test_decoder_dynamic_round_trip(tmp_path):
 
 @pytest.mark.parametrize("name, options, forms, op", [
     ("bert-tiny", {}, ("opfuse",), "opfuse.attention_bf16"),
-    ("bert-tiny", {}, ("aten",), "aten.scaled_dot_product_attention"),  # the ATen form, called directly
-    # nothing fused: plain add + LayerNorm, which becomes the bf16 SkipLayerNorm, in place
-    ("minilm", {"theta": 1.5, "gemm": "onednn"}, ("opfuse",), "opfuse.add_layernorm_bf16_"),
+    # the ATen form, called directly (on bf16 q/k/v from oneDNN's bf16 GEMMs)
+    pytest.param("bert-tiny", {}, ("aten",), "aten.scaled_dot_product_attention", marks=needs_onednn_bf16),
+    # nothing fused: plain add + LayerNorm after bf16 GEMMs, which becomes the bf16 SkipLayerNorm, in place
+    pytest.param("minilm", {"theta": 1.5, "gemm": "onednn"}, ("opfuse",), "opfuse.add_layernorm_bf16_",
+                 marks=needs_onednn_bf16),
 ])
 def test_bf16_plan_round_trip(tmp_path, monkeypatch, name, options, forms, op):
     """A precision="bf16" plan (bf16 attention in either form, the fused bf16 SkipLayerNorm in
     place, prepacked bf16 weights) saves and loads with equal outputs."""
     from opfuse import precision as P
+    from opfuse.kernels.cpu import attention_bf16 as A
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path / "cache"))  # no region timings cached by other runs
     monkeypatch.setattr(P, "ATTENTION_FORMS", forms)
+    monkeypatch.setattr(A, "aten_form_keeps_nonfinite", lambda: True)  # the form's mechanics on finite inputs
     monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows, warm=None: {"fp32": 2e-4, "bf16": 1e-4})
     monkeypatch.setattr(P, "busy", lambda: "test: not cached")
     loaded = load_model(name, batch=2, seq=16)

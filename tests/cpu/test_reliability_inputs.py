@@ -311,8 +311,9 @@ class _EagerAttention(torch.nn.Module):
 @pytest.mark.parametrize("spelling", ["scaled", "qscaled", "unscaled", "sdpa"])
 def test_nan_in_one_query_row_without_a_mask_is_eagers(spelling):
     """A NaN in one query element, no mask: eager's softmax(q·kᵀ)·v gives that query row NaN,
-    where ATen's CPU flash kernel (the fused op's) returns a zero row; the fused plan gives
-    eager's NaN positions and values for every spelling (an SDPA source: what SDPA gives)."""
+    where ATen's CPU flash kernel (the fused op's) returned a zero row on the AVX-512 machines
+    (a NaN row on the AVX2 Zen 2 ones); the fused plan gives eager's NaN positions and values
+    for every spelling (an SDPA source: what SDPA gives on this CPU)."""
     model = _EagerAttention(spelling).eval()
     q, k, v = (torch.randn(2, 3, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
     fused = opfuse.optimize(model, (q, k, v), decide="rho")
@@ -321,5 +322,5 @@ def test_nan_in_one_query_row_without_a_mask_is_eagers(spelling):
     with torch.no_grad():
         out, ref = fused(q, k, v), model(q, k, v)
     assert torch.equal(out.isnan(), ref.isnan())
-    assert bool(ref.isnan().any()) == (spelling != "sdpa")
+    assert bool(ref.isnan().any()) or spelling == "sdpa"  # SDPA's own NaN rows depend on the CPU's kernel
     assert torch.allclose(out, ref, equal_nan=True, atol=1e-5, rtol=1e-5)

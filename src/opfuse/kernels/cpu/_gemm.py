@@ -29,7 +29,23 @@ on these machines, so numpy's BLAS is never used.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
+
+
+@cache
+def onednn_bf16() -> bool:
+    """Whether this CPU runs oneDNN's bfloat16 inner product (``torch.ops.mkldnn.
+    _is_mkldnn_bf16_supported()``: AVX-512 or newer; native with ``avx512_bf16`` /
+    ``amx_bf16``, emulated on plain AVX-512). On an AVX2-only CPU (the Zen 2 machines) the
+    primitive cannot be created ("could not create a primitive descriptor"), so every bf16
+    GEMM region stays float32 there and :func:`opfuse.kernels.cpu.linear_bf16.linear_bf16`
+    runs its many-row form through ATen."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def operand(weight: torch.Tensor) -> torch.Tensor:

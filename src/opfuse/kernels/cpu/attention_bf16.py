@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from functools import cache
 
 import numpy as np
 import torch
@@ -239,6 +240,26 @@ def _aten_sdpa_bf16(q, k, v, mask, scale: float, is_causal: bool) -> torch.Tenso
     m = None if mask is None else mask.detach() if mask.dtype in (torch.bool, torch.float32) else mask.detach().float()
     return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=m, is_causal=is_causal, scale=scale,
                                                             enable_gqa=kb.shape[1] != qb.shape[1])
+
+
+@cache
+def aten_form_keeps_nonfinite() -> bool:
+    """Whether ATen's SDPA on bf16 q, k, v (the ``aten=True`` form) gives this CPU's float32
+    SDPA's NaN and ±inf positions on non-finite inputs (probed once per process on 1×4×8×16:
+    a NaN query element, a +inf and a −inf key element, a NaN mask element). On the AVX2-only
+    Zen 2 machines (torch 2.13) the bf16 flash kernel returned finite rows where float32 gives
+    NaN for a +inf key, so there the precision pass never chooses the ATen form."""
+    f = torch.nn.functional.scaled_dot_product_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 8, 16, generator=g) for _ in range(3))
+    for where, value in (("q", float("nan")), ("k", float("inf")), ("k", float("-inf")), ("mask", float("nan"))):
+        qq, kk, mask = q.clone(), k.clone(), torch.zeros(1, 1, 8, 8)
+        {"q": qq, "k": kk, "mask": mask}[where].view(-1)[5] = value
+        ref = f(qq, kk, v, attn_mask=mask, scale=0.25)
+        out = _aten_sdpa_bf16(qq, kk, v, mask, 0.25, False).float()
+        if not (torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())):
+            return False
+    return True
 
 
 @register("attention_bf16", "cpu")

@@ -4,7 +4,8 @@
                    ├── M ≤ GEMV_ROWS: numba GEMV, weight streamed as bf16 bits (widened to
     W [N, K] bf16 ─┤   float32 in registers, exact), float32 sums ──► y [M, N] f32 (+ bias)
                    └── else: oneDNN bf16 inner product (x rounded to bf16, float32
-                       accumulation, one rounding of the result) ──► y (+ bias in float32)
+                       accumulation, one rounding of the result) ──► y (+ bias in float32);
+                       ATen's bf16 GEMM where oneDNN has none (AVX2-only CPUs)
 
 The decode-step form of ``precision="bf16"`` (:mod:`opfuse.precision`): a one-row GEMM is
 a weight stream, and bf16 halves the bytes. oneDNN's bf16 inner product at M = 1 measured
@@ -24,6 +25,7 @@ from numba import njit
 
 from opfuse.kernels.checks import check_linear_bf16
 from opfuse.kernels.cpu import _math
+from opfuse.kernels.cpu._gemm import onednn_bf16
 from opfuse.kernels.cpu._launch import f32
 from opfuse.kernels.cpu.linear_gemv import GEMV_ROWS, run_gemv
 from opfuse.kernels.registry import register
@@ -57,7 +59,9 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     x2 = f32(x).reshape(-1, k)
     m = x2.shape[0]
     if m > GEMV_ROWS:
-        y = torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16), weight.detach(), None, "none", [], "").float()
+        xb = x2.to(torch.bfloat16)
+        y = (torch.ops.mkldnn._linear_pointwise(xb, weight.detach(), None, "none", [], "") if onednn_bf16()
+             else torch.nn.functional.linear(xb, weight.detach())).float()  # ATen's bf16 GEMM: no oneDNN bf16 here
         return (y if bias is None else y + bias.detach()).view(*x.shape[:-1], n)
     w = weight.detach().view(torch.int16).numpy().view(np.uint16)
     return run_gemv(_gemv_bf16_kernel, x2, w, bias, n).view(*x.shape[:-1], n)
