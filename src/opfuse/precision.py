@@ -292,8 +292,8 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
                     "this CPU has no native bf16 (no avx512_bf16 / amx_bf16): oneDNN emulates it, so bf16 is kept "
                     "only where measured faster" if onednn_bf16() else
                     "this CPU has no bf16 GEMM in oneDNN (AVX2 only: no avx512_bf16 / amx_bf16 / AVX-512), so only "
-                    "the one-row GEMVs (opfuse.linear_bf16's bf16 weight stream) and attention are candidates, each "
-                    "kept only where measured faster")
+                    f"the decode-size GEMVs (≤ {COLD_ROWS} rows: opfuse.linear_bf16's bf16 weight stream) and attention "
+                    "are candidates, each kept only where measured faster")
     from .kernels.cpu.attention_bf16 import aten_form_keeps_nonfinite
     if not aten_form_keeps_nonfinite():
         info["note"] += ("; ATen's bf16 SDPA loses NaN/inf positions its float32 SDPA keeps on this CPU (probed), "
