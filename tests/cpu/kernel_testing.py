@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from opfuse.kernels.cpu._gemm import onednn_bf16
 from opfuse.kernels.reference import TOLERANCE
 
 
@@ -20,12 +21,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     torch.testing.assert_close(actual.double(), expected, **TOLERANCE[dtype])
 
 
-def _onednn_bf16() -> bool:
-    from opfuse.kernels.cpu._gemm import onednn_bf16
-    return onednn_bf16()
-
-
 #: Hardware tier: tests of oneDNN's bf16 GEMM regions (AVX-512 or newer; an AVX2-only CPU
 #: has no bf16 inner product, and the precision pass keeps those regions float32 there).
-needs_onednn_bf16 = pytest.mark.skipif(not _onednn_bf16(), reason="oneDNN has no bf16 inner product on this CPU "
+needs_onednn_bf16 = pytest.mark.skipif(not onednn_bf16(), reason="oneDNN has no bf16 inner product on this CPU "
                                        "(needs AVX-512: avx512bw/vl/dq or newer)")
