@@ -28,6 +28,13 @@ so no single choice wins everywhere. Each backend is a row of :data:`BACKENDS`:
   opfuse ops with a GEMM inside (linear_add_layernorm(_sum), linear_residual, bias_gelu
   in both GELU forms, swiglu, geglu) keep their own epilogue kernels and run their GEMM on
   oneDNN (:mod:`opfuse.kernels.cpu._gemm` dispatches on the weight's layout).
+* ``blas`` — numpy's OpenBLAS on one thread (offered only while torch runs one thread:
+  :mod:`opfuse.kernels.cpu._gemm` explains why) on a row-padded copy of Wᵀ
+  (:func:`opfuse.kernels.cpu._gemm.blas_layout`, K·(N+16)·4 extra bytes, the layout that
+  sends the fused ops' GEMMs to OpenBLAS); ``aten.linear`` becomes ``opfuse.linear_blas``.
+  Measured on the Zen 2 machines (one thread, 12–48 weights cycled, caches cold, GFLOP/s):
+  78–81 against oneDNN prepacked 68–71 and MKL 54–66 at 128×768×768 … 128×3072×768; on
+  the weight as it is (no copy) OpenBLAS ran 74–79.
 * ``gemv`` — at ≤ :data:`COLD_ROWS` rows, ``aten.linear`` becomes ``opfuse.linear_gemv``
   (:mod:`opfuse.kernels.cpu.linear_gemv`: one float32 dot product per row and output on the
   weight as it is, no copy); above that many rows it runs ATen's GEMM.
@@ -56,6 +63,7 @@ from .cost.device import busy, cpu_model, load_cache, save_cache
 from .graph.meta import concrete as as_int
 from .graph.meta import decided_at
 from .graph.state import foldable, note_derived
+from .kernels.cpu._gemm import BLAS_PAD
 from .rewrite import drop_unused_parameters
 
 aten = torch.ops.aten
@@ -86,6 +94,20 @@ def _onednn_residual(x, w, b, node_args):  # oneDNN GEMM with its binary-add pos
 
 def _gemv(x, w, b, node_args):  # opfuse's weight-stream kernel (few rows; ATen's GEMM above)
     return torch.ops.opfuse.linear_gemv(x, w, b)
+
+
+def _blas(x, w, b, node_args):  # numpy's OpenBLAS, one thread, the weight as it is
+    return torch.ops.opfuse.linear_blas(x, w, b)
+
+
+def _blas_available() -> bool:
+    from .kernels.cpu._gemm import openblas
+    return torch.get_num_threads() == 1 and openblas() is not None
+
+
+def _blas_usable(kind, args) -> bool:
+    b = args[2] if len(args) > 2 else None
+    return kind != "linear" or b is None or (isinstance(b, torch.Tensor) and b.dim() == 1)
 
 
 def _gemv_usable(kind, args) -> bool:
@@ -153,14 +175,27 @@ class GemmBackend:
     usable: Callable = lambda kind, args: True
     packed: bool = False
     every_site: bool = False
+    blas: bool = False  # every site reads the row-padded Wᵀ (blas_layout)
 
     def serves(self, kind: str) -> bool:
         return not self.replace or self.every_site or kind in self.replace
 
-    @property
-    def copies(self) -> bool:
-        """Whether the plan keeps a copy of the weight (pre-transposed or prepacked)."""
-        return self.transposed or self.packed
+    def keeps_copy(self, kind: str) -> bool:
+        """Whether the plan keeps a copy of the weight (pre-transposed, prepacked or
+        row-padded) for a site of this kind."""
+        return self.transposed or self.packed or self.blas
+
+    def weight(self, kind: str, w: torch.Tensor, rows: int) -> torch.Tensor:
+        """The weight operand this backend gives a site of ``kind``: ``w`` [N, K] itself or
+        its copy in the backend's layout."""
+        from .kernels.cpu._gemm import blas_layout, blas_view
+        if self.transposed:
+            return w.t().contiguous().t()
+        if self.packed:
+            return pack(w, rows)
+        if self.blas:
+            return blas_view(blas_layout(w), w.shape[0])
+        return w
 
 
 def _onednn_usable(kind, args) -> bool:
@@ -189,6 +224,8 @@ BACKENDS = [
                 usable=_onednn_usable),
     GemmBackend("packed", lambda: torch.backends.mkldnn.is_available(), packed=True, every_site=True,
                 replace={"linear": _onednn_linear}, usable=_packed_usable),
+    GemmBackend("blas", _blas_available, replace={"linear": _blas}, every_site=True, blas=True,
+                usable=_blas_usable),
     GemmBackend("gemv", lambda: True, replace={"linear": _gemv}, usable=_gemv_usable),
 ]
 _ONEDNN_OPS = {"linear": lambda: torch.ops.mkldnn._linear_pointwise.default,
@@ -246,10 +283,10 @@ def measure(site: Site, args: list, backends: list[GemmBackend]) -> dict[str, fl
     calls, warm = {}, {}
     for be in backends:
         run = be.replace.get(site.kind) or site.run
-        weight = wt if be.transposed else pack(w, rows) if be.packed else w
+        weight = wt if be.transposed else be.weight(site.kind, w, rows)
         calls[be.name] = lambda run=run, weight=weight: run(x, weight, b, args)
         if rows <= COLD_ROWS:  # the same call on a copy of its weight: the code warm, this weight cold
-            copy = w.t().contiguous().t() if be.transposed else pack(w.clone(), rows) if be.packed else w.clone()
+            copy = be.weight(site.kind, w.clone(), rows)
             warm[be.name] = lambda run=run, weight=copy: (evict_caches(), run(x, weight, b, args))
     cold = warm or None
     results, failed = {}, set()
@@ -339,11 +376,12 @@ def _mode() -> str:
 
 
 def _fold(gm: fx.GraphModule, node: fx.Node, w: fx.Node, kind: str, make: Callable[[], torch.Tensor],
-          folded: dict, view=None) -> tuple[fx.Node, int]:
+          folded: dict, view=None, view_args: tuple = ()) -> tuple[fx.Node, int]:
     """The node reading weight ``w``'s folded copy ``opfuse_folded_<kind>_<w>`` (``make()``,
     registered and inserted before ``node`` the first time, read through ``view`` such as
-    ``aten.t`` when given), recorded as derived from ``w`` (never used stale); (that node,
-    the bytes it added: 0 when another site made it already)."""
+    ``aten.t`` when given, called on the copy and ``view_args``), recorded as derived from
+    ``w`` (never used stale); (that node, the bytes it added: 0 when another site made it
+    already)."""
     ref = folded.get((kind, w.target))
     if ref is not None:
         return ref, 0
@@ -360,7 +398,7 @@ def _fold(gm: fx.GraphModule, node: fx.Node, w: fx.Node, kind: str, make: Callab
     with gm.graph.inserting_before(node):
         ref = gm.graph.get_attr(buf)
         if view is not None:
-            ref = gm.graph.call_function(view, (ref,))
+            ref = gm.graph.call_function(view, (ref, *view_args))
     ref.meta["val"] = w.meta.get("val")
     folded[(kind, w.target)] = ref
     return ref, tensor.numel() * tensor.element_size()
@@ -468,7 +506,7 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None, also_at: lis
         except ValueError:
             continue
         backends = [be for be in BACKENDS if be.available() and be.serves(site.kind) and be.usable(site.kind, args)
-                    and not (mode == "lean" and be.copies)]
+                    and not (mode == "lean" and be.keeps_copy(site.kind))]
         if mode in MEASURED_MODES:
             name, times, reason = choose(site, args, backends, cache,
                                          concrete=lambda: [_value(gm, a, concrete=True) for a in node.args])
@@ -507,6 +545,15 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None, also_at: lis
         elif name == "gemv":
             b = node.args[site.b] if len(node.args) > site.b else None
             _replace_call(gm, node, torch.ops.opfuse.linear_gemv.default, (x, w, b))
+        elif name == "blas":
+            from .kernels.cpu._gemm import blas_layout
+            view, extra = _fold(gm, node, w, "blas", lambda: blas_layout(wv), folded, aten.as_strided.default,
+                                ([n, k], [1, n + BLAS_PAD]))
+            if site.kind == "linear":
+                b = node.args[site.b] if len(node.args) > site.b else None
+                _replace_call(gm, node, torch.ops.opfuse.linear_blas.default, (x, view, b))
+            else:
+                node.replace_input_with(w, view)
         elif name == "onednn":
             b = node.args[site.b] if site.b is not None and len(node.args) > site.b else None
             post = {"linear": ("none", [], ""), "linear_bias_gelu": ("gelu", [], "none")}

@@ -199,7 +199,8 @@ def _tail(node: fx.Node, env: dict) -> list[fx.Node]:
 
 def _dense_weight(gm: fx.GraphModule, w, transposed: bool = False) -> tuple[torch.Tensor, str] | None:
     """(float32 [N, K] weight, the attribute it is read from) of a GEMM's weight argument:
-    a parameter, a prepacked oneDNN copy, the ``aten.t`` view of a pre-transposed copy, or
+    a parameter, a prepacked oneDNN copy, the ``aten.t`` view of a pre-transposed copy or the
+    ``as_strided`` view of a row-padded one, or
     (``transposed``: a ``matmul``'s [K, N] operand) the pre-transposed copy itself."""
     from operator import attrgetter
     if not isinstance(w, fx.Node):
@@ -211,6 +212,10 @@ def _dense_weight(gm: fx.GraphModule, w, transposed: bool = False) -> tuple[torc
             and w.args[0].op == "get_attr":
         t = attrgetter(w.args[0].target)(gm)
         return (t.detach().t(), w.args[0].target) if t.layout == torch.strided else None
+    if w.op == "call_function" and w.target is aten.as_strided.default and isinstance(w.args[0], fx.Node) \
+            and w.args[0].op == "get_attr":  # the [N, K] view of a row-padded Wᵀ (the ``blas`` GEMM backend)
+        t = attrgetter(w.args[0].target)(gm)
+        return (t.detach().as_strided(*w.args[1:]), w.args[0].target) if t.layout == torch.strided else None
     if w.op == "get_attr":
         t = attrgetter(w.target)(gm).detach()
         return (t.to_dense() if t.is_mkldnn else t), w.target
@@ -470,7 +475,8 @@ def _fused_op(node: fx.Node) -> str | None:
 
 def _sites(gm: fx.GraphModule) -> list[fx.Node]:
     """The GEMM nodes ``precision`` decides on: plain GEMMs (``aten.linear``, oneDNN linear
-    without post-op, :func:`opfuse.gemm.direct_wt_matmuls`' ``matmul``, ``opfuse.linear_gemv``)
+    without post-op, :func:`opfuse.gemm.direct_wt_matmuls`' ``matmul``, ``opfuse.linear_gemv``,
+    ``opfuse.linear_blas``)
     and the opfuse ops of :data:`FUSED_WEIGHTS`."""
     out = []
     for n in gm.graph.nodes:
@@ -479,7 +485,8 @@ def _sites(gm: fx.GraphModule) -> list[fx.Node]:
             continue
         if n.op != "call_function" or n.kwargs:
             continue
-        if n.target in (aten.linear.default, torch.ops.opfuse.linear_gemv.default) or (
+        if n.target in (aten.linear.default, torch.ops.opfuse.linear_gemv.default,
+                        torch.ops.opfuse.linear_blas.default) or (
                 n.target is torch.ops.mkldnn._linear_pointwise.default and len(n.args) > 3 and n.args[3] == "none"):
             out.append(n)
         elif n.target is aten.matmul.default and is_wt_copy(n.args[1]):

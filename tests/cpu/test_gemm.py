@@ -76,7 +76,7 @@ def test_auto_choice_follows_timings_with_margin():
     args = [torch.randn(64, 32), torch.randn(16, 32), torch.randn(16)]
     cache = {}
     name, times, _ = gemm.choose(site, args, gemm.BACKENDS, cache)  # measures once
-    assert set(times) == {"aten", "wt", "onednn", "packed", "gemv"} and name in times
+    assert set(times) == {"aten", "wt", "onednn", "packed", "blas", "gemv"} and name in times
     (key,) = cache
     assert "linear(64x32:float32, 16x32:float32, 16:float32)" in key
     cache[key] = {"aten": 1.0, "wt": 0.90, "onednn": 0.99, "packed": 0.95}
@@ -142,8 +142,8 @@ def test_not_applied_to_half_precision():
 
 
 def test_unknown_mode_is_a_clear_error():
-    with pytest.raises(opfuse.OptimizeError, match="unknown gemm mode 'blas'"):
-        opfuse.optimize(_MLP().eval(), (torch.randn(2, 48),), gemm="blas")
+    with pytest.raises(opfuse.OptimizeError, match="unknown gemm mode 'mkl'"):
+        opfuse.optimize(_MLP().eval(), (torch.randn(2, 48),), gemm="mkl")
 
 
 def test_kernel_takes_transposed_weight_without_copy():
@@ -296,7 +296,8 @@ def test_lean_mode_measures_only_backends_without_a_weight_copy(monkeypatch):
 
     def fake_measure(site, args, backends):
         seen.append({be.name for be in backends})
-        return {be.name: (1e-3 if be.copies else 2e-3 if be.name == "onednn" else 4e-3) for be in backends}
+        return {be.name: (1e-3 if be.keeps_copy(site.kind) else 2e-3 if be.name == "onednn" else 4e-3)
+                for be in backends}
     monkeypatch.setattr(gemm, "measure", fake_measure)
     monkeypatch.setattr(gemm, "load_cache", lambda name: {})
     monkeypatch.setattr(gemm, "save_cache", lambda name, cache: None)
@@ -315,3 +316,118 @@ def test_lean_mode_measures_only_backends_without_a_weight_copy(monkeypatch):
     assert not [name for name, _ in gm.named_buffers() if name.startswith("opfuse_folded_")]
     with pytest.raises(opfuse.OptimizeError, match="expected auto, lean"):
         opfuse.optimize(model, (x,), gemm="leaner")
+
+
+# --- blas: numpy's OpenBLAS on one thread ---------------------------------------------
+
+needs_openblas = pytest.mark.skipif(_gemm.openblas() is None, reason="numpy's BLAS is not OpenBLAS here")
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("layout", ["row-major", "padded", "wt"])
+@pytest.mark.parametrize("rows, k, n", [(1, 200, 33), (7, 31, 97), (130, 64, 129)])
+def test_linear_blas_against_float64(layout, rows, k, n):
+    """opfuse.linear_blas on every weight layout it meets (the model's row-major weight,
+    the row-padded Wᵀ of the ``blas`` backend, a pre-transposed view), 3-D and strided x,
+    with and without bias, within float32 round-off of float64."""
+    from opfuse.kernels import reference
+    g = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(2, rows, k, generator=g)[:, :, :]
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    weight = {"row-major": w, "padded": _gemm.blas_view(_gemm.blas_layout(w), n), "wt": w.t().contiguous().t()}[layout]
+    assert torch.equal(weight, w)
+    sums = x.double().abs() @ w.double().abs().T
+    for xin, bias in [(x, b), (x.transpose(0, 1).contiguous().transpose(0, 1), None)]:
+        y = torch.ops.opfuse.linear_blas(xin, weight, bias)
+        exact = reference.linear_blas(xin, w, bias)
+        assert y.shape == (2, rows, n) and y.is_contiguous()
+        assert bool(((y.double() - exact).abs() <= 2 * k * 2.0**-24 * (sums + 1) + 1e-6).all())
+    with pytest.raises((ValueError, RuntimeError), match="weight must be a dense"):
+        torch.ops.opfuse.linear_blas(x, w.half(), b)
+    with pytest.raises((ValueError, RuntimeError), match="features"):
+        torch.ops.opfuse.linear_blas(x[..., :-1], w, b)
+
+
+@needs_openblas
+def test_blas_leaves_numpys_thread_count_as_it_was():
+    """The call runs OpenBLAS on one thread and gives numpy back its own setting."""
+    ctl = _gemm.openblas()
+    before = ctl.get_num_threads()
+    seen = []
+    real = _gemm.np.matmul
+
+    def spy(*a, **k):
+        seen.append(ctl.get_num_threads())
+        return real(*a, **k)
+    try:
+        ctl.set_num_threads(2)
+        _gemm.np.matmul = spy
+        _gemm.blas_mm(torch.randn(4, 8), torch.randn(5, 8))
+        assert seen == [1] and ctl.get_num_threads() == 2
+    finally:
+        _gemm.np.matmul = real
+        ctl.set_num_threads(before)
+
+
+def test_every_gemm_op_equals_itself_with_the_padded_weight():
+    """The ``blas`` layout (row-padded Wᵀ) sends each opfuse op's GEMM to OpenBLAS: the same
+    values as with W, and the layout is kept as it is (no copy)."""
+    x, r = torch.randn(2, 3, 16), torch.randn(2, 3, 24)
+    w, b, g, beta = torch.randn(24, 16) * 0.3, torch.randn(24), torch.randn(24), torch.randn(24)
+    padded = _gemm.blas_view(_gemm.blas_layout(w), 24)
+    assert _gemm.is_blas(padded) and not _gemm.is_blas(w) and not _gemm.is_blas(w.t().contiguous().t())
+    assert _gemm.operand(padded).data_ptr() == padded.data_ptr()
+    ops = torch.ops.opfuse
+    calls = [lambda w: ops.linear_bias_gelu(x, w, b, "none"), lambda w: ops.linear_residual(x, w, b, r),
+             lambda w: ops.linear_add_layernorm(x, w, b, r, g, beta, 1e-5),
+             lambda w: ops.linear_add_layernorm_sum(x, w, b, r, g, beta, 1e-5)[1]]
+    for call in calls:
+        torch.testing.assert_close(call(padded), call(w), rtol=1e-5, atol=1e-5)
+    w2 = torch.randn(48, 16) * 0.3  # swiglu's [2H, K] gate|up weight
+    torch.testing.assert_close(ops.swiglu(x, _gemm.blas_view(_gemm.blas_layout(w2), 48), 24), ops.swiglu(x, w2, 24),
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_openblas
+def test_forced_blas_backend_equals_eager_saves_and_follows_weight_updates(tmp_path, one_thread):
+    """gemm="blas" at one thread: every linear of a BERT becomes opfuse.linear_blas on a
+    row-padded copy (its bytes reported), values equal eager, the plan saves and loads bit
+    for bit, and a weight changed after optimize is seen (the copy is derived, rebuilt)."""
+    from opfuse.models import load
+    loaded = load("bert-tiny", batch=2, seq=16)
+    fused = opfuse.optimize(loaded.model, loaded.args, gemm="blas")
+    targets, gm = _targets(fused)
+    choices = fused.report.gemm
+    assert choices and {c["backend"] for c in choices} == {"blas"}
+    assert targets.count(torch.ops.opfuse.linear_blas.default) == sum(c["op"] == "linear" for c in choices)
+    assert torch.ops.aten.linear.default not in targets
+    assert all(c["extra_bytes"] == c["k"] * (c["n"] + _gemm.BLAS_PAD) * 4 for c in choices)
+    with torch.no_grad():
+        out = fused(*loaded.args).last_hidden_state
+        torch.testing.assert_close(out, loaded.model(*loaded.args).last_hidden_state, rtol=1e-5, atol=1e-5)
+        back = opfuse.load(opfuse.save(fused, tmp_path / "p"))
+        assert torch.equal(back(*loaded.args).last_hidden_state, out)
+        loaded.model.encoder.layer[0].attention.self.query.weight.mul_(-1.5)
+        torch.testing.assert_close(fused(*loaded.args).last_hidden_state,
+                                   loaded.model(*loaded.args).last_hidden_state, rtol=1e-5, atol=1e-5)
+
+
+def test_blas_is_not_offered_above_one_thread(one_thread):
+    """OpenBLAS's own pool next to torch's OpenMP pool slowed later torch ops: at two
+    threads the backend is unavailable and a forced gemm="blas" leaves eager's GEMMs."""
+    torch.set_num_threads(2)
+    blas = next(be for be in gemm.BACKENDS if be.name == "blas")
+    assert not blas.available()
+    model = _MLP().eval()
+    x = torch.randn(3, 7, 48)
+    fused = opfuse.optimize(model, (x,), gemm="blas")
+    assert fused.report.gemm == [] and torch.ops.opfuse.linear_blas.default not in _targets(fused)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x), rtol=1e-5, atol=1e-5)

@@ -61,10 +61,16 @@ def gemm_flops(model, args) -> int | None:
 
 
 def best_gemm_rate(n: int = 1024) -> dict:
-    """float32 FLOP/s of an n³ GEMM through each library torch reaches (aten ``mm`` — MKL or
-    OpenBLAS — and oneDNN's inner product), best of a few runs, current thread count."""
+    """float32 FLOP/s of an n³ GEMM through each library opfuse reaches (aten ``mm`` — MKL or
+    OpenBLAS —, oneDNN's inner product and, at one thread, numpy's OpenBLAS: the ``blas``
+    GEMM backend), best of a few runs, current thread count."""
+    from opfuse.gemm import _blas_available
+    from opfuse.kernels.cpu._gemm import blas_mm
     a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
     rates = {"aten": 2 * n ** 3 / interleaved({"f": lambda: torch.mm(a, b, out=c)}, repeat=5, warmup=1)["f"]["min_s"]}
+    if _blas_available():
+        f = lambda: blas_mm(a, b, out=c)  # noqa: E731
+        rates["openblas"] = 2 * n ** 3 / interleaved({"f": f}, repeat=5, warmup=1)["f"]["min_s"]
     try:
         f = lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")  # noqa: E731
         rates["onednn"] = 2 * n ** 3 / interleaved({"f": f}, repeat=5, warmup=1)["f"]["min_s"]

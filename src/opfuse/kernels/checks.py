@@ -448,6 +448,7 @@ OP_CHECKS = {
     "linear_residual": lambda x, w, b, r, **d: check_linear_residual(x, w, b, r, **d),
     "linear_bf16": lambda x, w, b, **d: check_linear_bf16(x, w, b, **d),
     "linear_gemv": lambda x, w, b, **d: check_linear_gemv(x, w, b, **d),
+    "linear_blas": lambda x, w, b, **d: check_linear_blas(x, w, b, **d),
     "linear_add_layernorm": lambda x, w, b, r, lw, lb, eps, **d: check_linear_add_layernorm(x, w, b, r, lw, lb, **d),
     "linear_add_layernorm_sum": lambda x, w, b, r, lw, lb, eps, **d: check_linear_add_layernorm(x, w, b, r, lw, lb, **d),
     "ffn": lambda x, w1, b1, w2, b2, a, rows, **d: check_ffn(x, w1, b1, w2, b2, a, rows, **d),
@@ -474,12 +475,20 @@ def check_linear_gemv(x, weight, bias, *, device_type: DeviceType = "cpu") -> tu
     return _check_float32_gemv("linear_gemv", x, weight, bias, torch.float32, device_type)
 
 
-def _check_float32_gemv(op: str, x, weight, bias, weight_dtype: torch.dtype, device_type) -> tuple[int, int]:
+def check_linear_blas(x, weight, bias, *, device_type: DeviceType = "cpu") -> tuple[int, int]:
+    """x [..., K] float32 CPU, weight [N, K] float32 strided (any strides: BLAS reads a
+    transposed or padded view as it is), bias [N] float32 or None; returns (K, N). Raises
+    ValueError naming the problem."""
+    return _check_float32_gemv("linear_blas", x, weight, bias, torch.float32, device_type, any_strides=True)
+
+
+def _check_float32_gemv(op: str, x, weight, bias, weight_dtype: torch.dtype, device_type,
+                        any_strides: bool = False) -> tuple[int, int]:
     check_tensor(op, "x", x, 1, device_type=device_type)
     check_tensor(op, "weight", weight, 2, device_type=device_type)
     if x.dtype != torch.float32:
         raise ValueError(f"opfuse.{op}: x must be float32, got {x.dtype}")
-    if weight.dtype != weight_dtype or weight.layout != torch.strided or not weight.is_contiguous():
+    if weight.dtype != weight_dtype or weight.layout != torch.strided or not (any_strides or weight.is_contiguous()):
         raise ValueError(f"opfuse.{op}: weight must be a dense contiguous {str(weight_dtype).replace('torch.', '')} "
                          f"[N, K] tensor, got {weight.dtype} {weight.layout} strides "
                          f"{tuple(weight.stride()) if weight.layout == torch.strided else ''}")

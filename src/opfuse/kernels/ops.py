@@ -13,6 +13,7 @@ op and imports the CPU kernels (which register themselves).
     opfuse::linear_residual(Tensor x, Tensor weight, Tensor? bias, Tensor residual) -> Tensor
     opfuse::linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor
     opfuse::linear_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor
+    opfuse::linear_blas(Tensor x, Tensor weight, Tensor? bias) -> Tensor
     opfuse::linear_add_layernorm(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor? ln_bias, float eps) -> Tensor
     opfuse::linear_add_layernorm_sum(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor? ln_bias, float eps) -> (Tensor, Tensor)
     opfuse::ffn(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2, str approximate, int block_rows) -> Tensor
@@ -62,6 +63,7 @@ SCHEMAS: dict[str, str] = {
     "linear_residual": "(Tensor x, Tensor weight, Tensor? bias, Tensor residual) -> Tensor",
     "linear_bf16": "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
     "linear_gemv": "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+    "linear_blas": "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
     "linear_add_layernorm": "(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, "
                             "Tensor? ln_bias, float eps) -> Tensor",
     "linear_add_layernorm_sum": "(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, "
@@ -189,6 +191,16 @@ def linear_gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 @linear_gemv.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@_op("linear_blas")
+def linear_blas(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return lookup("linear_blas", x.device.type)(x, weight, bias)
+
+
+@linear_blas.register_fake
 def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
@@ -358,6 +370,7 @@ def warm_up() -> None:
     for rows in (1, 9):  # the GEMV and the oneDNN path
         lookup("linear_bf16", "cpu")(r(rows, 8), r(4, 8).to(torch.bfloat16), r(4))
         lookup("linear_gemv", "cpu")(r(rows, 8), r(4, 8), r(4))
+        lookup("linear_blas", "cpu")(r(rows, 8), r(4, 8), r(4))
     for emit_sum in (True, False):
         lookup("linear_add_layernorm", "cpu")(x, r(4, 8), r(4), r(2, 4), r(4), r(4), 1e-5, emit_sum)
     lookup("attention", "cpu")(r(1, 2, 3, 4), r(1, 1, 5, 4), r(1, 1, 5, 4), None, 0.5, False)

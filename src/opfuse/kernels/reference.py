@@ -73,6 +73,10 @@ def linear_gemv(x, weight, bias) -> torch.Tensor:
     return linear(x, weight, bias)
 
 
+def linear_blas(x, weight, bias) -> torch.Tensor:
+    return linear(x, weight, bias)
+
+
 def linear_bias_gelu(x, weight, bias, approximate: str) -> torch.Tensor:
     return gelu(linear(x, weight, bias), approximate)
 

@@ -12,6 +12,7 @@ from opfuse.kernels.cpu import (  # noqa: F401  (imported for their @register si
     linear_add_layernorm,
     linear_bf16,
     linear_bias_gelu,
+    linear_blas,
     linear_gemv,
     linear_residual,
     rmsnorm,

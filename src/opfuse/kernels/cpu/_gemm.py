@@ -22,16 +22,35 @@ AVX-512 paths and oneDNN was 2.2–2.4x faster (247–276 vs 104–121 GFLOP/s a
 512×768×768, prepacked +3–7%); on the Intel Ice Lake machines MKL with a pre-transposed
 weight was as fast or faster. Hence measured per machine and shape, never assumed.
 
-Arrays are float32; ``x`` [M, K] (any strides); results C-contiguous [M, N]. Mixing
-OpenBLAS's (numpy's) thread pool with torch's OpenMP pool slowed every later torch op 4–5x
-on these machines, so numpy's BLAS is never used.
+* a **row-padded Wᵀ** (``blas``: the [N, K] view, strides (1, ld) with ld > N, of a
+  contiguous [K, ld] buffer, :func:`blas_layout`): OpenBLAS's SGEMM (numpy's own BLAS,
+  ``np.matmul`` into the result) run on one thread. The padded leading dimension is what
+  marks the layout (and keeps power-of-two rows off the same cache sets); any BLAS reads it.
+
+Measured on the 2-core AMD EPYC Zen 2 machines (AVX2, float32, one thread, GFLOP/s):
+numpy's OpenBLAS 0.3.31 (its Haswell kernels) ran 87–100 against 69–78 for MKL through
+ATen and 63–92 for oneDNN prepacked, at 128×768×768 … 1024×1536×384.
+
+OpenBLAS runs on **one thread only**: with its own thread pool busy next to torch's OpenMP
+pool, every later torch op ran 1.7x (measured here: 1.35 → 2.31 ms for a GEMM + GELU +
+LayerNorm at two threads; 4–5x on earlier machines). :func:`blas_mm` sets numpy's
+OpenBLAS to one thread for the call (``threadpoolctl``; ~2 µs) and restores the user's
+setting, and :mod:`opfuse.gemm` offers the backend only while torch runs one thread.
+
+Arrays are float32; ``x`` [M, K] (any strides); results C-contiguous [M, N].
 """
 
 from __future__ import annotations
 
+import threading
 from functools import cache
 
+import numpy as np
 import torch
+
+#: Floats of padding per row of a ``blas`` weight's [K, N + BLAS_PAD] buffer (64 bytes).
+BLAS_PAD = 16
+_BLAS_LOCK = threading.Lock()  # numpy's OpenBLAS thread count is process-wide
 
 
 @cache
@@ -48,12 +67,75 @@ def onednn_bf16() -> bool:
         return False
 
 
+@cache
+def openblas():
+    """threadpoolctl's controller of numpy's OpenBLAS (the library file numpy's wheel ships,
+    ``numpy.libs/libscipy_openblas*``), or None when numpy's BLAS is another library (MKL,
+    Accelerate, a system OpenBLAS) or threadpoolctl cannot find it: then the ``blas``
+    backend is unavailable (scipy's own OpenBLAS copy has its own thread count, so only
+    numpy's is ever used)."""
+    try:
+        from threadpoolctl import ThreadpoolController
+        found = ThreadpoolController().select(internal_api="openblas").lib_controllers
+    except Exception:  # noqa: BLE001  (an odd install: no blas backend, never an error)
+        return None
+    return next((c for c in found if "numpy" in str(getattr(c, "filepath", ""))), None)
+
+
+def blas_layout(weight: torch.Tensor, pad: int = BLAS_PAD) -> torch.Tensor:
+    """The ``blas`` layout of a float32 [N, K] weight: a contiguous [K, N + pad] buffer
+    holding Wᵀ in its first N columns (K·(N + pad)·4 bytes). Its [N, K] operand is
+    :func:`blas_view`."""
+    w = weight.detach().to(torch.float32)
+    n, k = w.shape
+    buf = torch.zeros(k, n + pad, dtype=torch.float32)
+    buf[:, :n] = w.t()
+    return buf
+
+
+def blas_view(buf: torch.Tensor, n: int) -> torch.Tensor:
+    """The [N, K] weight operand (strides (1, N + pad)) of a :func:`blas_layout` buffer."""
+    return buf.as_strided((n, buf.shape[0]), (1, buf.shape[1]))
+
+
+def is_blas(weight: torch.Tensor) -> bool:
+    """``weight`` [N, K] float32 is a row-padded Wᵀ view (:func:`blas_layout`)."""
+    return (weight.layout == torch.strided and weight.dim() == 2 and weight.dtype == torch.float32
+            and weight.stride(0) == 1 and weight.stride(1) > weight.shape[0] > 1)
+
+
+def blas_mm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ weight [N, K] float32 (any strided layout) ᵀ with numpy's
+    OpenBLAS on one thread, into ``out`` [M, N] (C-contiguous) or a new tensor; ATen's GEMM
+    where numpy has no OpenBLAS. Read MK + NK, write MN; 2MNK FLOPs."""
+    ctl = openblas()
+    if ctl is None:
+        return torch.mm(x, weight.t(), out=out) if out is not None else torch.mm(x, weight.t())
+    xn = x.detach().numpy() if x.is_contiguous() else x.detach().contiguous().numpy()
+    if out is None:
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+    wn = weight.detach().t().numpy()  # [K, N] view, the buffer's strides
+    with _BLAS_LOCK:
+        before = ctl.get_num_threads()
+        if before != 1:
+            ctl.set_num_threads(1)
+        try:
+            np.matmul(xn, wn, out=out.numpy())
+        finally:
+            if before != 1:
+                ctl.set_num_threads(before)
+    return out
+
+
 def operand(weight: torch.Tensor) -> torch.Tensor:
     """Detached float32 [N, K] weight, without a copy when it is row-major, the transposed
-    view of a row-major [K, N] buffer (both are BLAS operands as they are) or prepacked."""
+    view of a row-major [K, N] buffer (both are BLAS operands as they are), a row-padded
+    Wᵀ (:func:`is_blas`) or prepacked."""
     w = weight.detach()
     if w.is_mkldnn:
         return w  # float32 (opfuse.gemm) or bfloat16 (opfuse.precision), prepacked
+    if is_blas(w):
+        return w
     if w.dim() == 2 and not w.is_contiguous() and w.t().is_contiguous():
         return w.to(torch.float32)  # keeps the column-major strides (preserve_format)
     return w.to(dtype=torch.float32, memory_format=torch.contiguous_format)
@@ -70,6 +152,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return y.float() if out is None else out.copy_(y)
         y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         return y if out is None else out.copy_(y)
+    if is_blas(weight):
+        y = blas_mm(x, weight, out)
+        return y if bias is None else y.add_(bias)  # + MN read and write
     if bias is None:
         return torch.mm(x, weight.t(), out=out) if out is not None else torch.mm(x, weight.t())
     return torch.addmm(bias, x, weight.t(), out=out) if out is not None else torch.addmm(bias, x, weight.t())
@@ -83,4 +168,6 @@ def accumulate(x: torch.Tensor, weight: torch.Tensor, c: torch.Tensor) -> torch.
         if weight.dtype == torch.bfloat16:  # c stays float32: + the bf16 GEMM's result
             return c.add_(torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight, None, "none", [], ""))
         return torch.ops.mkldnn._linear_pointwise.binary(x, c, weight, None, "add")
+    if is_blas(weight):
+        return c.add_(blas_mm(x, weight))  # numpy's matmul has no beta: + MN written and read
     return c.addmm_(x, weight.t())
