@@ -431,3 +431,18 @@ def test_blas_is_not_offered_above_one_thread(one_thread):
     assert fused.report.gemm == [] and torch.ops.opfuse.linear_blas.default not in _targets(fused)[0]
     with torch.no_grad():
         torch.testing.assert_close(fused(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_blas_runs_one_and_two_row_calls_on_atens_gemm(monkeypatch):
+    """OpenBLAS's GEMV measured slower than MKL's here: at ≤ BLAS_MIN_ROWS rows blas_mm
+    runs ATen's GEMM on the same padded operand (numpy's matmul not called), same values."""
+    called = []
+    real = _gemm.np.matmul
+    monkeypatch.setattr(_gemm.np, "matmul", lambda *a, **k: called.append(1) or real(*a, **k))
+    w = torch.randn(40, 24)
+    padded = _gemm.blas_view(_gemm.blas_layout(w), 40)
+    for rows in (1, _gemm.BLAS_MIN_ROWS, _gemm.BLAS_MIN_ROWS + 1):
+        x = torch.randn(rows, 24)
+        called.clear()
+        torch.testing.assert_close(_gemm.blas_mm(x, padded), (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-5)
+        assert bool(called) == (rows > _gemm.BLAS_MIN_ROWS and _gemm.openblas() is not None)

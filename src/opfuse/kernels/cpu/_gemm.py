@@ -50,6 +50,11 @@ import torch
 
 #: Floats of padding per row of a ``blas`` weight's [K, N + BLAS_PAD] buffer (64 bytes).
 BLAS_PAD = 16
+#: At most this many rows, :func:`blas_mm` runs ATen's (MKL's) GEMM on the padded operand:
+#: OpenBLAS's one-row GEMV measured 1.5–1.9x slower here (113 / 719 / 728 against 75 / 375 /
+#: 411 µs at 768×768, 768×3072, 3072×768), so a dynamic plan whose range starts at one row
+#: (served requests) lost the backend at that end; from 4 rows on the two are within ±15%.
+BLAS_MIN_ROWS = 2
 _BLAS_LOCK = threading.Lock()  # numpy's OpenBLAS thread count is process-wide
 
 
@@ -107,9 +112,10 @@ def is_blas(weight: torch.Tensor) -> bool:
 def blas_mm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] float32 @ weight [N, K] float32 (any strided layout) ᵀ with numpy's
     OpenBLAS on one thread, into ``out`` [M, N] (C-contiguous) or a new tensor; ATen's GEMM
-    where numpy has no OpenBLAS. Read MK + NK, write MN; 2MNK FLOPs."""
+    on the same operand where numpy has no OpenBLAS or M ≤ :data:`BLAS_MIN_ROWS`. Read
+    MK + NK, write MN; 2MNK FLOPs."""
     ctl = openblas()
-    if ctl is None:
+    if ctl is None or x.shape[0] <= BLAS_MIN_ROWS:
         return torch.mm(x, weight.t(), out=out) if out is not None else torch.mm(x, weight.t())
     xn = x.detach().numpy() if x.is_contiguous() else x.detach().contiguous().numpy()
     if out is None:
