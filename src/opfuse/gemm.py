@@ -278,12 +278,11 @@ def measure(site: Site, args: list, backends: list[GemmBackend]) -> dict[str, fl
     from .bench.timing import evict_caches, interleaved
     x, w = args[site.x], args[site.w]
     b = args[site.b] if site.b is not None and len(args) > site.b else None
-    wt = w.t().contiguous().t()
     rows = prod(x.shape[:-1])
     calls, warm = {}, {}
     for be in backends:
         run = be.replace.get(site.kind) or site.run
-        weight = wt if be.transposed else be.weight(site.kind, w, rows)
+        weight = be.weight(site.kind, w, rows)
         calls[be.name] = lambda run=run, weight=weight: run(x, weight, b, args)
         if rows <= COLD_ROWS:  # the same call on a copy of its weight: the code warm, this weight cold
             copy = be.weight(site.kind, w.clone(), rows)
