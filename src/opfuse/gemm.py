@@ -63,7 +63,7 @@ from .cost.device import busy, cpu_model, load_cache, save_cache
 from .graph.meta import concrete as as_int
 from .graph.meta import decided_at
 from .graph.state import foldable, note_derived
-from .kernels.cpu._gemm import BLAS_PAD
+from .kernels.cpu._gemm import BLAS_PAD, blas_layout, blas_view, openblas
 from .rewrite import drop_unused_parameters
 
 aten = torch.ops.aten
@@ -96,12 +96,11 @@ def _gemv(x, w, b, node_args):  # opfuse's weight-stream kernel (few rows; ATen'
     return torch.ops.opfuse.linear_gemv(x, w, b)
 
 
-def _blas(x, w, b, node_args):  # numpy's OpenBLAS, one thread, the weight as it is
+def _blas(x, w, b, node_args):  # numpy's OpenBLAS, one thread, on the row-padded Wᵀ
     return torch.ops.opfuse.linear_blas(x, w, b)
 
 
 def _blas_available() -> bool:
-    from .kernels.cpu._gemm import openblas
     return torch.get_num_threads() == 1 and openblas() is not None
 
 
@@ -180,15 +179,14 @@ class GemmBackend:
     def serves(self, kind: str) -> bool:
         return not self.replace or self.every_site or kind in self.replace
 
-    def keeps_copy(self, kind: str) -> bool:
-        """Whether the plan keeps a copy of the weight (pre-transposed, prepacked or
-        row-padded) for a site of this kind."""
+    @property
+    def copies(self) -> bool:
+        """Whether the plan keeps a copy of the weight (pre-transposed, prepacked or row-padded)."""
         return self.transposed or self.packed or self.blas
 
-    def weight(self, kind: str, w: torch.Tensor, rows: int) -> torch.Tensor:
-        """The weight operand this backend gives a site of ``kind``: ``w`` [N, K] itself or
-        its copy in the backend's layout."""
-        from .kernels.cpu._gemm import blas_layout, blas_view
+    def weight(self, w: torch.Tensor, rows: int) -> torch.Tensor:
+        """The weight operand this backend gives its sites: ``w`` [N, K] itself or its copy
+        in the backend's layout (for GEMMs of about ``rows`` rows)."""
         if self.transposed:
             return w.t().contiguous().t()
         if self.packed:
@@ -282,10 +280,10 @@ def measure(site: Site, args: list, backends: list[GemmBackend]) -> dict[str, fl
     calls, warm = {}, {}
     for be in backends:
         run = be.replace.get(site.kind) or site.run
-        weight = be.weight(site.kind, w, rows)
+        weight = be.weight(w, rows)
         calls[be.name] = lambda run=run, weight=weight: run(x, weight, b, args)
         if rows <= COLD_ROWS:  # the same call on a copy of its weight: the code warm, this weight cold
-            copy = be.weight(site.kind, w.clone(), rows)
+            copy = be.weight(w.clone(), rows)
             warm[be.name] = lambda run=run, weight=copy: (evict_caches(), run(x, weight, b, args))
     cold = warm or None
     results, failed = {}, set()
@@ -505,7 +503,7 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None, also_at: lis
         except ValueError:
             continue
         backends = [be for be in BACKENDS if be.available() and be.serves(site.kind) and be.usable(site.kind, args)
-                    and not (mode == "lean" and be.keeps_copy(site.kind))]
+                    and not (mode == "lean" and be.copies)]
         if mode in MEASURED_MODES:
             name, times, reason = choose(site, args, backends, cache,
                                          concrete=lambda: [_value(gm, a, concrete=True) for a in node.args])
@@ -545,7 +543,6 @@ def apply_gemm_choices(gm: fx.GraphModule, mode: str | None = None, also_at: lis
             b = node.args[site.b] if len(node.args) > site.b else None
             _replace_call(gm, node, torch.ops.opfuse.linear_gemv.default, (x, w, b))
         elif name == "blas":
-            from .kernels.cpu._gemm import blas_layout
             view, extra = _fold(gm, node, w, "blas", lambda: blas_layout(wv), folded, aten.as_strided.default,
                                 ([n, k], [1, n + BLAS_PAD]))
             if site.kind == "linear":

@@ -296,8 +296,7 @@ def test_lean_mode_measures_only_backends_without_a_weight_copy(monkeypatch):
 
     def fake_measure(site, args, backends):
         seen.append({be.name for be in backends})
-        return {be.name: (1e-3 if be.keeps_copy(site.kind) else 2e-3 if be.name == "onednn" else 4e-3)
-                for be in backends}
+        return {be.name: (1e-3 if be.copies else 2e-3 if be.name == "onednn" else 4e-3) for be in backends}
     monkeypatch.setattr(gemm, "measure", fake_measure)
     monkeypatch.setattr(gemm, "load_cache", lambda name: {})
     monkeypatch.setattr(gemm, "save_cache", lambda name, cache: None)

@@ -4,10 +4,11 @@
                    ├── OpenBLAS SGEMM (np.matmul into y; ATen's GEMM where numpy has no
     W [N, K] f32 ──┘   OpenBLAS) ──► y [M, N] f32 ──► + bias [N] (one pass over y)
 
-The ``blas`` GEMM backend of :mod:`opfuse.gemm` for plain ``aten.linear`` sites (its fused
-sites run their GEMM through :func:`opfuse.kernels.cpu._gemm.linear` on a row-padded Wᵀ).
-``weight`` is read in the layout it comes in: row-major [N, K] (the model's, no copy: BLAS
-reads it transposed) or any [N, K] view BLAS takes as it is. On the Zen 2 machines (AVX2, one
+The ``blas`` GEMM backend of :mod:`opfuse.gemm` for plain ``aten.linear`` sites, on the
+row-padded Wᵀ that backend folds (its fused sites run their GEMM through
+:func:`opfuse.kernels.cpu._gemm.linear` on the same layout). ``weight`` is read in the
+layout it comes in: that padded view, row-major [N, K] (BLAS reads it transposed) or any
+[N, K] view BLAS takes as it is. On the Zen 2 machines (AVX2, one
 thread) numpy's OpenBLAS ran 87–100 GFLOP/s against MKL's 69–78 through ATen; chosen by
 measurement like the other backends.
 
