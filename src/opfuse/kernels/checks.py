@@ -501,3 +501,63 @@ def _check_float32_gemv(op: str, x, weight, bias, weight_dtype: torch.dtype, dev
             raise ValueError(f"opfuse.{op}: bias must be float32, got {bias.dtype}")
         check_shape(op, "bias", bias, (n,))
     return k, n
+
+
+# --- memoised op checks -----------------------------------------------------------------
+
+_MISS = object()
+#: Argument signatures whose check passed (-> its result), per op check; cleared when full.
+_PASSED: dict = {}
+PASSED_MAX = 4096
+
+
+def _signature(value):
+    """What an op check reads of one argument: a plain tensor's dtype, device (``True`` for
+    the CPU: ``is_cpu`` costs a fifth of ``device``), shape and strides (layout for a
+    oneDNN / sparse tensor); any other argument as it is. Raises TypeError for a tensor
+    subclass (FakeTensor, FunctionalTensor under tracing: shapes may be symbolic, and
+    comparing them would add guards) and for an unhashable argument."""
+    kind = type(value)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        where = True if value.is_cpu else value.device
+        if value.layout is torch.strided:
+            return (value.dtype, where, value.shape, value.stride())
+        return (value.dtype, where, value.shape, value.layout)
+    if isinstance(value, torch.Tensor):
+        raise TypeError("tensor subclass")
+    return value
+
+
+def memoized(check):
+    """``check`` (an op check: raises ValueError or returns sizes, from its arguments'
+    metadata alone) answered from :data:`_PASSED` when the same op was checked on arguments
+    of the same signature (:func:`_signature`) before: a launcher on a decode step or a small
+    input paid 14–19 µs per call for checks whose answer never changed (add_layernorm at
+    [1, 128, 768]: 19 µs of a 113 µs call, its kernel 56 µs). A failing check is never
+    stored (it raises again, with its message); subclass tensors (tracing) and unhashable
+    arguments are checked every time."""
+    def run(*args, **kwargs):
+        try:
+            key = (check, *map(_signature, args), *kwargs.items())
+            hit = _PASSED.get(key, _MISS)
+        except TypeError:
+            return check(*args, **kwargs)
+        if hit is not _MISS:
+            return hit
+        result = check(*args, **kwargs)
+        if len(_PASSED) >= PASSED_MAX:
+            _PASSED.clear()
+        _PASSED[key] = result
+        return result
+    run.__name__, run.__qualname__, run.__doc__ = check.__name__, check.__qualname__, check.__doc__
+    run.__wrapped__ = check
+    return run
+
+
+for _name in ("check_add_layernorm", "check_add_layernorm_bf16", "check_add_layernorm_bf16_inplace",
+              "check_layernorm_gelu", "check_linear_bias_gelu", "check_linear_residual", "check_linear_add_layernorm",
+              "check_ffn", "check_attention", "check_attention_mask", "check_rope_qk", "check_rope", "check_rmsnorm",
+              "check_add_rmsnorm", "check_swiglu", "check_geglu", "check_linear_bf16", "check_linear_gemv",
+              "check_linear_blas"):
+    globals()[_name] = memoized(globals()[_name])
+del _name
