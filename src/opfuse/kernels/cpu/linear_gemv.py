@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import carray, njit
+from numba import njit
 
 from opfuse.kernels.checks import check_linear_gemv
 from opfuse.kernels.cpu import _math
-from opfuse.kernels.cpu._launch import by_address, f32
+from opfuse.kernels.cpu._launch import f32
 from opfuse.kernels.registry import register
 
 GEMV_ROWS = 8  # rows up to which the weight-stream kernel runs; above, ATen's GEMM
@@ -84,25 +84,11 @@ def gemv_wt(x2: torch.Tensor, buf: torch.Tensor, n: int, out: torch.Tensor | Non
     return y
 
 
-@njit(fastmath=_math._REDUCE, error_model="numpy", cache=True)
-def _gemv_at(xp, wp, bp, yp, m, k, n):
-    # _gemv_kernel on float32 tensors given by address: x [M, K], w [N, K], y [M, N]; bias
-    # [N] at bp, or none when bp is 0. The same loops, so the same sums.
-    x, w, y = carray(_math.f32_at(xp), (m, k)), carray(_math.f32_at(wp), (n, k)), carray(_math.f32_at(yp), (m, n))
-    b = carray(_math.f32_at(bp), (n,)) if bp != 0 else np.zeros(n, np.float32)
-    _gemv_kernel(x, w, b, y)
-
-
 @register("linear_gemv", "cpu")
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] float32 @ weight [N, K] float32 (contiguous) ᵀ + bias [N] float32 or None
     -> [..., N] float32. Raises ValueError (named) for other dtypes, layouts or shapes."""
     k, n = check_linear_gemv(x, weight, bias)
-    m = x.numel() // k
-    if m <= GEMV_ROWS and by_address(x) and (bias is None or by_address(bias)):  # the weight: checked dense float32
-        y = torch.empty((*x.shape[:-1], n))
-        _gemv_at(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), m, k, n)
-        return y
     x2 = f32(x).reshape(-1, k)
     m = x2.shape[0]
     w = weight.detach()
