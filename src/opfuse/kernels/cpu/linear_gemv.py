@@ -5,13 +5,6 @@
     W [N, K] f32 ──┘   weight row-major as the model holds it ──► y [M, N] f32 (+ bias)
                        (M > GEMV_ROWS: ATen's addmm / mm, eager's GEMM)
 
-A second kernel, :func:`gemv_wt`, streams a row-padded Wᵀ [K, ld] (the ``blas`` backend's
-layout, :func:`opfuse.kernels.cpu._gemm.blas_layout`) for one or two rows: y += x[k]·Wᵀ[k]
-four rows of Wᵀ at a time (an axpy per row, y in L1). On the Zen 2 machines (one thread,
-caches evicted) it ran 209 / 516 / 600 µs at 768×768, 3072×768 (N×K) and 768×3072 where
-MKL's GEMV on the same padded operand took 267 / 577 / 755 (and on the row-major weight
-271 / 857 / 565), so a dynamic plan whose range starts at one row keeps the backend.
-
 A decode step's GEMMs are weight streams (M = batch rows): the time is the weight's bytes
 over the memory bandwidth, plus the call. Measured on the Zen 5 machines (one thread,
 caches evicted), where MKL skips its AVX-512 paths: 114 vs 164 µs at 1376×512 and 2.0 vs
@@ -47,41 +40,6 @@ def _gemv_kernel(x, w, b, y):
             for k in range(x.shape[1]):
                 acc += x[m, k] * w[n, k]
             y[m, n] = acc + b[n]
-
-
-@njit(fastmath=_math._APPLY, error_model="numpy", cache=True)
-def _gemv_wt_kernel(x, wt, y):
-    # x: [M, K] f32; wt: [K, ld] f32 C-contiguous (Wᵀ, row-padded, ld ≥ N); y: [M, N] f32 out.
-    # Four rows of Wᵀ per pass over y (y's row in L1, the weight streamed once). Read
-    # 4K·ld + 4MK, write 4MN (y read and written K/4 times in L1).
-    n = y.shape[1]
-    kk = x.shape[1]
-    for m in range(x.shape[0]):
-        for j in range(n):
-            y[m, j] = _Z
-        k = 0
-        while k + 4 <= kk:
-            a0 = x[m, k]
-            a1 = x[m, k + 1]
-            a2 = x[m, k + 2]
-            a3 = x[m, k + 3]
-            for j in range(n):
-                y[m, j] += a0 * wt[k, j] + a1 * wt[k + 1, j] + a2 * wt[k + 2, j] + a3 * wt[k + 3, j]
-            k += 4
-        while k < kk:
-            a0 = x[m, k]
-            for j in range(n):
-                y[m, j] += a0 * wt[k, j]
-            k += 1
-
-
-def gemv_wt(x2: torch.Tensor, buf: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x2 [M, K] float32 (C-contiguous) @ W [N, K]ᵀ from its row-padded Wᵀ buffer ``buf``
-    [K, ld ≥ N] float32 C-contiguous -> ``out`` or a new [M, N] float32 tensor (C-contiguous).
-    For a few rows (a weight stream); the caller checks shapes. 2MNK FLOPs."""
-    y = torch.empty((x2.shape[0], n), dtype=torch.float32) if out is None else out
-    _gemv_wt_kernel(x2.detach().numpy(), buf.detach().numpy(), y.numpy())
-    return y
 
 
 @register("linear_gemv", "cpu")
