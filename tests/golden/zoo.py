@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import warnings
@@ -24,6 +25,22 @@ PATH = Path(__file__).parent / "zoo.json"
 
 def key(arch, attn: str) -> str:
     return f"{arch.name}/{attn}"
+
+
+def expected(entry: dict) -> dict:
+    """A golden entry as this environment's transformers should plan it: ``by_transformers``
+    ({"5.25": {...}}) overrides fields from that transformers version on (a newer release
+    spelled a model's ops differently, e.g. Falcon's multi-query attention in 5.25 expands
+    its one K/V head, so the GQA variant matches too and its subset rejected by overlap
+    is counted as matched)."""
+    import transformers
+    have = tuple(int(x) for x in re.findall(r"\d+", transformers.__version__)[:2])
+    out = {k: v for k, v in entry.items() if k != "by_transformers"}
+    for since, fields in sorted(entry.get("by_transformers", {}).items(),
+                                key=lambda kv: tuple(int(x) for x in kv[0].split("."))):
+        if have >= tuple(int(x) for x in since.split(".")):
+            out.update(fields)
+    return out
 
 
 def plan(arch, attn: str):
