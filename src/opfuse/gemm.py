@@ -59,7 +59,7 @@ from operator import attrgetter
 import torch
 from torch import fx
 
-from .cost.device import busy, cpu_model, load_cache, save_cache
+from .cost.device import TimingWindow, cpu_model, load_cache, save_cache
 from .graph.meta import concrete as as_int
 from .graph.meta import decided_at
 from .graph.state import foldable, note_derived
@@ -308,20 +308,24 @@ def measure(site: Site, args: list, backends: list[GemmBackend]) -> dict[str, fl
 def choose(site: Site, args: list, backends: list[GemmBackend], cache: dict,
            concrete: Callable[[], list] | None = None) -> tuple[str, dict, str]:
     """(backend name, median times, reason) for one GEMM site and shape; measured once (on
-    ``concrete()``, default ``args``), then kept in ``cache`` (keyed by CPU model, torch
-    version, threads, op, argument shapes and dtypes — ``args`` may be fake tensors)."""
+    ``concrete()``, default ``args``), then kept in ``cache`` (keyed by CPU model, the
+    kernel sources' hash, torch version, threads, op, argument shapes and dtypes — ``args``
+    may be fake tensors)."""
     def sig(a):
         if isinstance(a, torch.Tensor):
             return "x".join(str(as_int(d)) for d in a.shape) + ":" + str(a.dtype).replace("torch.", "")
         return repr(a)
     rows = prod(as_int(d) for d in args[site.x].shape[:-1])
-    key = (f"{cpu_model()} | torch {torch.__version__} | threads {torch.get_num_threads()} | {site.kind}("
+    from .timegate import kernels_version  # a cached timing is reused only by the code it timed
+    key = (f"{cpu_model()} | kernels {kernels_version()} | torch {torch.__version__} | threads "
+           f"{torch.get_num_threads()} | {site.kind}("
            + ", ".join(sig(a) for a in args) + ") | " + ",".join(be.name for be in backends)
            + (" | cold" if rows <= COLD_ROWS else ""))
     times = cache.get(key)
     if times is None:
-        times = measure(site, concrete() if concrete else args, backends)
-        if busy() is None:  # timings of a machine shared with other work are used, never stored
+        with TimingWindow() as window:
+            times = measure(site, concrete() if concrete else args, backends)
+        if window.busy() is None:  # timings of a machine shared with other work are used, never stored
             cache[key] = times
     base = times["aten"]
     best = min(times, key=times.__getitem__)

@@ -75,7 +75,7 @@ from math import prod
 import torch
 from torch import fx
 
-from .cost.device import busy, cpu_model, load_cache, save_cache
+from .cost.device import TimingWindow, cpu_model, load_cache, save_cache
 from .gemm import COLD_ROWS, is_wt_copy
 from .kernels.cpu._gemm import onednn_bf16
 from .graph.meta import concrete as as_int
@@ -330,11 +330,12 @@ def apply_precision(gm: fx.GraphModule, args: tuple, kwargs: dict, precision: st
         timed = region.bf16_timed or region.bf16
         times = timer(node, region.fp32, timed) if timer else cache.get(key)
         if times is None:
-            times = _measure(region.fp32, timed, region.m, region.warm)
-            if times["bf16"] > times["fp32"] * (1 - MARGIN):  # a loss is measured twice: the faster of each
-                again = _measure(region.fp32, timed, region.m, region.warm)  # form's medians (a burst of
-                times = {kk: min(v, again[kk]) for kk, v in times.items()}  # steal on a shared VM hits one run)
-            if busy() is None and abs(times["bf16"] / times["fp32"] - 1) >= CACHE_CLEAR:
+            with TimingWindow() as window:
+                times = _measure(region.fp32, timed, region.m, region.warm)
+                if times["bf16"] > times["fp32"] * (1 - MARGIN):  # a loss is measured twice: the faster of each
+                    again = _measure(region.fp32, timed, region.m, region.warm)  # form's medians (a burst of
+                    times = {kk: min(v, again[kk]) for kk, v in times.items()}  # steal on a shared VM hits one run)
+            if window.busy() is None and abs(times["bf16"] / times["fp32"] - 1) >= CACHE_CLEAR:
                 cache[key] = times  # a close call is measured again next time, not frozen
         faster = times["bf16"] <= times["fp32"] * (1 - MARGIN)
         if err > tol:
@@ -657,9 +658,9 @@ def _attention_form(label: str, forms: dict[str, Callable]) -> tuple[str, dict]:
     cache = load_cache(CACHE)
     times = cache.get(key)
     if not isinstance(times, dict) or set(times) != set(forms):
-        with torch.no_grad():
+        with torch.no_grad(), TimingWindow() as window:
             times = {k: v["median_s"] for k, v in interleaved(forms, repeat=ROUNDS, warmup=1).items()}
-        if busy() is None and max(times.values()) / min(times.values()) - 1 >= CACHE_CLEAR:
+        if window.busy() is None and max(times.values()) / min(times.values()) - 1 >= CACHE_CLEAR:
             cache[key] = times
             save_cache(CACHE, cache)
     return min(forms, key=lambda f: times[f]), times

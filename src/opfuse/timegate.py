@@ -9,7 +9,8 @@ unfused ops (the seed's traffic criterion first, then the clock).
            (verify.fused_region_module / unfused_region_module), each with the GEMM
            backends the plan's GEMM pass gives it (opfuse.gemm, the plan's mode), cached per
            CPU model, thread count, GEMM mode, pattern, variant and input signature in
-           OPFUSE_CACHE_DIR
+           OPFUSE_CACHE_DIR — unless the timing was a close call (within CACHE_CLEAR) or taken
+           while the machine was busy (cost.device.TimingWindow): those are measured again
         └─ fused not MARGIN (3%) faster than unfused: rejected ("decided by time"), the others re-selected (a region
            it overlapped may now fuse), until no chosen region is slower
 
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .cost.device import busy, cpu_model, load_cache, save_cache
+from .cost.device import TimingWindow, cpu_model, load_cache, save_cache
 from .cost.select import select
 from .graph.meta import input_signature
 
@@ -42,6 +43,9 @@ ROUNDS = 5
 #: tie within the timing noise is no gain (measured on a decode step of Llama: add+RMSNorm
 #: on one row timed 54.4 vs 54.7 µs and was taken, while the step ran slower).
 MARGIN = 0.03
+#: A timing is cached only when fused and unfused differ by at least this fraction: a
+#: close call (within the noise of five rounds on a shared machine) is measured again.
+CACHE_CLEAR = 0.06
 
 
 def check_mode(mode: str | None) -> str:
@@ -119,7 +123,7 @@ def _key(cand, env: dict, gemm: str | None = None) -> str:
     from .gemm import _mode
     m = cand.match
     feeds = [env[n] if isinstance(n, torch.fx.Node) else n for n in m.inputs.values()]
-    return (f"v5 | {kernels_version()} | {cpu_model()} | threads={torch.get_num_threads()} | gemm={gemm or _mode()} | "
+    return (f"v6 | {kernels_version()} | {cpu_model()} | threads={torch.get_num_threads()} | gemm={gemm or _mode()} | "
             f"{m.pattern.name}/{m.pattern.variant} | {input_signature(tuple(feeds), {})!r}")
 
 
@@ -144,10 +148,11 @@ def decide_by_time(cands: list, env: dict, theta: float, timer: Callable | None 
             if key in cache:
                 tf, tu = cache[key]
             else:
-                tf, tu = timer(c, env)
-                noisy = busy()
-                if measured and math.isfinite(tf) and noisy is None:
-                    cache[key] = [tf, tu]
+                with TimingWindow() as window:
+                    tf, tu = timer(c, env)
+                noisy = window.busy()
+                if measured and math.isfinite(tf) and noisy is None and abs(tf / tu - 1) >= CACHE_CLEAR:
+                    cache[key] = [tf, tu]  # a close call is measured again by the next optimize, not frozen
                 elif noisy is not None:
                     c.extra["busy"] = noisy
             c.extra["measured"] = {"fused_s": tf, "unfused_s": tu}

@@ -407,7 +407,7 @@ def test_generate_with_bf16_attention_in_prefill_and_decode(monkeypatch, tmp_pat
     import opfuse
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))  # no region timings cached by other runs
     monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows, warm=None: {"fp32": 2e-4, "bf16": 1e-4})
-    monkeypatch.setattr(P, "busy", lambda: "test: not cached")
+    monkeypatch.setattr("opfuse.cost.device.busy", lambda: "test: not cached")
     torch.manual_seed(0)
     lm = T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000)).eval()
     ids = torch.randint(3, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -506,7 +506,7 @@ def test_attention_form_timing_is_cached_unless_close(monkeypatch, tmp_path):
     call (within CACHE_CLEAR) is measured again next time."""
     from opfuse.bench import timing
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(P, "busy", lambda: None)
+    monkeypatch.setattr("opfuse.cost.device.busy", lambda: None)
     runs = []
     medians = {"aten": 1e-4, "opfuse": 3e-4}
 

@@ -87,7 +87,7 @@ def test_auto_choice_follows_timings_with_margin():
 
 
 def test_gemm_timings_of_a_busy_machine_are_not_cached(monkeypatch):
-    monkeypatch.setattr(gemm, "busy", lambda: "load average 3.0 on 2 CPUs")
+    monkeypatch.setattr("opfuse.cost.device.busy", lambda: "load average 3.0 on 2 CPUs")
     site = gemm.sites()[torch.ops.aten.linear.default]
     cache = {}
     name, times, _ = gemm.choose(site, [torch.randn(8, 16), torch.randn(4, 16), None], gemm.BACKENDS, cache)
@@ -432,16 +432,33 @@ def test_blas_is_not_offered_above_one_thread(one_thread):
         torch.testing.assert_close(fused(x), model(x), rtol=1e-5, atol=1e-5)
 
 
-def test_blas_runs_one_and_two_row_calls_on_atens_gemm(monkeypatch):
-    """OpenBLAS's GEMV measured slower than MKL's here: at ≤ BLAS_MIN_ROWS rows blas_mm
-    runs ATen's GEMM on the same padded operand (numpy's matmul not called), same values."""
-    called = []
-    real = _gemm.np.matmul
+def test_blas_streams_one_and_two_row_calls_with_opfuses_gemv(monkeypatch):
+    """OpenBLAS's GEMV (and MKL's on the padded operand) measured slower here: at ≤
+    BLAS_MIN_ROWS rows blas_mm streams the padded Wᵀ with opfuse's gemv_wt (numpy's matmul
+    not called; any K, also not a multiple of its 4-row step), above it OpenBLAS; values
+    within float32 round-off of float64 either way. A padded view whose storage does not
+    hold the whole [K, ld] buffer is read by ATen's GEMM as it is."""
+    from opfuse.kernels.cpu import linear_gemv
+    called, streamed = [], []
+    real, real_wt = _gemm.np.matmul, linear_gemv.gemv_wt
     monkeypatch.setattr(_gemm.np, "matmul", lambda *a, **k: called.append(1) or real(*a, **k))
-    w = torch.randn(40, 24)
-    padded = _gemm.blas_view(_gemm.blas_layout(w), 40)
-    for rows in (1, _gemm.BLAS_MIN_ROWS, _gemm.BLAS_MIN_ROWS + 1):
-        x = torch.randn(rows, 24)
-        called.clear()
-        torch.testing.assert_close(_gemm.blas_mm(x, padded), (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-5)
-        assert bool(called) == (rows > _gemm.BLAS_MIN_ROWS and _gemm.openblas() is not None)
+    monkeypatch.setattr(linear_gemv, "gemv_wt", lambda *a, **k: streamed.append(1) or real_wt(*a, **k))
+    for k in (24, 23):
+        w = torch.randn(40, k)
+        padded = _gemm.blas_view(_gemm.blas_layout(w), 40)
+        for rows in (1, _gemm.BLAS_MIN_ROWS, _gemm.BLAS_MIN_ROWS + 1):
+            x = torch.randn(rows, k)
+            called.clear(), streamed.clear()
+            exact = x.double() @ w.double().T
+            y = _gemm.blas_mm(x, padded)
+            assert y.shape == (rows, 40) and y.is_contiguous()
+            assert float((y.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max()) + 1e-6
+            assert bool(streamed) == (rows <= _gemm.BLAS_MIN_ROWS)
+            assert bool(called) == (rows > _gemm.BLAS_MIN_ROWS and _gemm.openblas() is not None)
+    w = torch.randn(40, 8)
+    short = torch.zeros(7 * 56 + 40).as_strided((40, 8), (1, 56))  # the last row of Wᵀ ends at column N
+    short.copy_(w)
+    streamed.clear()
+    x = torch.randn(1, 8)
+    torch.testing.assert_close(_gemm.blas_mm(x, short), x @ w.T, rtol=1e-5, atol=1e-5)
+    assert not streamed

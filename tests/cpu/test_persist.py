@@ -315,7 +315,7 @@ def test_bf16_plan_round_trip(tmp_path, monkeypatch, name, options, forms, op):
     monkeypatch.setattr(P, "ATTENTION_FORMS", forms)
     monkeypatch.setattr(A, "aten_form_keeps_nonfinite", lambda: True)  # the form's mechanics on finite inputs
     monkeypatch.setattr(P, "_measure", lambda fp32, bf16, rows, warm=None: {"fp32": 2e-4, "bf16": 1e-4})
-    monkeypatch.setattr(P, "busy", lambda: "test: not cached")
+    monkeypatch.setattr("opfuse.cost.device.busy", lambda: "test: not cached")
     loaded = load_model(name, batch=2, seq=16)
     fused = opfuse.optimize(loaded.model, loaded.args, example_kwargs=loaded.kwargs, precision="bf16",
                             decide="rho", **options)

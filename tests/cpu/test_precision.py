@@ -453,7 +453,7 @@ def test_a_close_timing_is_not_cached(monkeypatch, tmp_path):
     """Only a clear timing (bf16 and float32 ≥ CACHE_CLEAR apart) goes to the cache; a close
     call is measured again by the next optimize."""
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(P, "busy", lambda: None)
+    monkeypatch.setattr("opfuse.cost.device.busy", lambda: None)
     loaded, _, gm = _plan("llama-tiny", batch=2, seq=7)
     before = P.load_cache(P.CACHE)  # the GEMM backends' timings share the file
     calls = []
@@ -477,7 +477,7 @@ def test_a_measured_loss_is_measured_again(monkeypatch, tmp_path):
     median kept (a burst of steal on a shared VM hits one run): a second run that shows bf16
     faster turns it bf16 with the per-form minima reported and cached; a win is measured once."""
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(P, "busy", lambda: None)
+    monkeypatch.setattr("opfuse.cost.device.busy", lambda: None)
     monkeypatch.setattr(P, "ATTENTION_FORMS", ("opfuse",))
     loaded, _, gm = _plan("llama-tiny", batch=2, seq=7)
     runs = iter([{"fp32": 1e-4, "bf16": 2e-4}, {"fp32": 2e-4, "bf16": 0.5e-4}] * 100)

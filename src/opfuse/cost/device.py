@@ -16,6 +16,7 @@ conservative defaults for one AVX2 core (2 FMA × 8 fp32 lanes × 2 × ~3 GHz �
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,6 +116,35 @@ def busy() -> str | None:
     except (OSError, AttributeError):
         return None
     return f"load average {load:.1f} on {cpus} CPUs" if load > cpus else None
+
+
+#: A timing window in which this process got less than this share of a CPU (its CPU time
+#: over the wall time) ran beside other work or under hypervisor steal: not cached.
+ON_CPU_MIN = 0.9
+
+
+class TimingWindow:
+    """``with TimingWindow() as w: <timed calls>``; then ``w.busy()`` says why the timings
+    taken inside must not be cached (None when they may): :func:`busy` (the load average),
+    or this process ran less than :data:`ON_CPU_MIN` of the window on a CPU
+    (``time.process_time`` over ``time.perf_counter``), i.e. it waited for a core. The load
+    average alone missed that here: region timings taken beside a test run (1-minute load
+    below the CPU count) were cached with an add+LayerNorm 33% slower fused than unfused and
+    a qkv merge rejected, and every later BERT plan on the machine left them unfused."""
+
+    def __enter__(self) -> TimingWindow:
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+        self.share = 1.0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall = time.perf_counter() - self._wall
+        self.share = (time.process_time() - self._cpu) / wall if wall > 0 else 1.0
+
+    def busy(self) -> str | None:
+        if self.share < ON_CPU_MIN:
+            return f"this process ran {self.share:.0%} of the timing window on a CPU (it waited for a core)"
+        return busy()
 
 
 def load_cache(name: str) -> dict:

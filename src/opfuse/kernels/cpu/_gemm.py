@@ -50,10 +50,12 @@ import torch
 
 #: Floats of padding per row of a ``blas`` weight's [K, N + BLAS_PAD] buffer (64 bytes).
 BLAS_PAD = 16
-#: At most this many rows, :func:`blas_mm` runs ATen's (MKL's) GEMM on the padded operand:
-#: OpenBLAS's one-row GEMV measured 1.5–1.9x slower here (113 / 719 / 728 against 75 / 375 /
-#: 411 µs at 768×768, 768×3072, 3072×768), so a dynamic plan whose range starts at one row
-#: (served requests) lost the backend at that end; from 4 rows on the two are within ±15%.
+#: At most this many rows, :func:`blas_mm` streams the padded Wᵀ with opfuse's GEMV
+#: (:func:`opfuse.kernels.cpu.linear_gemv.gemv_wt`): OpenBLAS's one-row GEMV measured
+#: 1.5–1.9x slower here (113 / 719 / 728 against 75 / 375 / 411 µs at 768×768, 768×3072,
+#: 3072×768), and MKL's on the padded operand up to 1.34x slower than on the row-major
+#: weight, so a dynamic plan whose range starts at one row (served requests) lost the
+#: backend at that end; from 4 rows on OpenBLAS and MKL are within ±15%.
 BLAS_MIN_ROWS = 2
 _BLAS_LOCK = threading.Lock()  # numpy's OpenBLAS thread count is process-wide
 
@@ -111,11 +113,19 @@ def is_blas(weight: torch.Tensor) -> bool:
 
 def blas_mm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] float32 @ weight [N, K] float32 (any strided layout) ᵀ with numpy's
-    OpenBLAS on one thread, into ``out`` [M, N] (C-contiguous) or a new tensor; ATen's GEMM
-    on the same operand where numpy has no OpenBLAS or M ≤ :data:`BLAS_MIN_ROWS`. Read
-    MK + NK, write MN; 2MNK FLOPs."""
+    OpenBLAS on one thread, into ``out`` [M, N] (C-contiguous) or a new tensor. At M ≤
+    :data:`BLAS_MIN_ROWS` a row-padded Wᵀ (:func:`is_blas`, its buffer whole) is streamed
+    by opfuse's GEMV; ATen's GEMM reads other few-row operands, and every operand where
+    numpy has no OpenBLAS. Read MK + NK, write MN; 2MNK FLOPs."""
     ctl = openblas()
-    if ctl is None or x.shape[0] <= BLAS_MIN_ROWS:
+    rows, (n, k) = x.shape[0], weight.shape
+    if (rows <= BLAS_MIN_ROWS and is_blas(weight) and weight.storage_offset() == 0
+            and weight.untyped_storage().nbytes() >= 4 * k * weight.stride(1)):
+        from opfuse.kernels.cpu.linear_gemv import gemv_wt
+        ld = weight.stride(1)
+        buf = weight.as_strided((k, ld), (ld, 1))  # the whole [K, ld] buffer (its [K, N] slice: 2.4x slower)
+        return gemv_wt(x if x.is_contiguous() else x.contiguous(), buf, n, out)
+    if ctl is None or rows <= BLAS_MIN_ROWS:
         return torch.mm(x, weight.t(), out=out) if out is not None else torch.mm(x, weight.t())
     xn = x.detach().numpy() if x.is_contiguous() else x.detach().contiguous().numpy()
     if out is None:

@@ -413,3 +413,25 @@ def row_bias_gelu(y, b, use_tanh):  # y: [N] f32 in place, b: [N]; read 2N, writ
         for j in range(y.shape[0]):
             y[j] = gelu_erf_f32(y[j] + b[j])
 
+
+
+# --- tensors by address (the launchers' one-row fast path) ------------------------------
+
+
+def _pointer_to(dtype):
+    def typer(typingctx, addr):
+        if not isinstance(addr, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(dtype)))
+
+        return types.CPointer(dtype)(addr), codegen
+    return typer
+
+
+#: ``f32_at(t.data_ptr())``: a float32 pointer for ``numba.carray`` (the tensor's memory
+#: as an array without torch's ``.numpy()``: ~0.2 µs against ~2.4 µs for detach + numpy).
+f32_at = intrinsic(_pointer_to(types.float32))
+#: The same for bf16 bits (a bfloat16 tensor's memory read as uint16).
+u16_at = intrinsic(_pointer_to(types.uint16))

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import carray, njit, prange
 
 from opfuse.kernels.cpu import _math
 from opfuse.kernels.checks import check_add_rmsnorm
-from opfuse.kernels.cpu._launch import f32_rows, f32_vec, launch, to_torch
-from opfuse.kernels.cpu.rmsnorm import ROUND_CODE, row_rms_apply, row_rms_rstd, row_round
+from opfuse.kernels.cpu._launch import by_address, f32_rows, f32_vec, launch, to_torch
+from opfuse.kernels.cpu.rmsnorm import ROUND_CODE, ROUND_NONE, row_rms_apply, row_rms_rstd, row_round
 from opfuse.kernels.registry import register
 
 
@@ -43,12 +43,28 @@ def _add_rmsnorm_kernel(x, r, w, eps, out, s, round_to):
 
 
 
+@njit(error_model="numpy", cache=True)
+def _add_rmsnorm_at(xp, rp, wp, eps, outp, sp, m, n):
+    # _add_rmsnorm_kernel on float32 tensors given by address (x, r, out, s: [M, N]; w: [N]), serial
+    x, r, w = carray(_math.f32_at(xp), (m, n)), carray(_math.f32_at(rp), (m, n)), carray(_math.f32_at(wp), (n,))
+    out, s = carray(_math.f32_at(outp), (m, n)), carray(_math.f32_at(sp), (m, n))
+    e = np.float32(eps)
+    for i in range(m):
+        _row_add(x[i], r[i], s[i])
+        row_rms_apply(s[i], row_rms_rstd(s[i], e), w, out[i], ROUND_NONE)
+
+
 @register("add_rmsnorm", "cpu")
 def add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual), x + residual); x, residual [..., N], weight [N]."""
     n = check_add_rmsnorm(x, residual, weight, device_type="cpu")
+    if by_address(x, residual, weight):
+        out, s = torch.empty(x.shape), torch.empty(x.shape)
+        _add_rmsnorm_at(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), s.data_ptr(),
+                        x.numel() // n, n)
+        return out, s
 
     x2, r2 = f32_rows(x, n), f32_rows(residual, n)  # [M, N]
     out = np.empty_like(x2)  # [M, N]

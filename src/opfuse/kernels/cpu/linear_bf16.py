@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit
+from numba import carray, njit
 
 from opfuse.kernels.checks import check_linear_bf16
 from opfuse.kernels.cpu import _math
 from opfuse.kernels.cpu._gemm import onednn_bf16
-from opfuse.kernels.cpu._launch import f32
+from opfuse.kernels.cpu._launch import by_address, f32
 from opfuse.kernels.cpu.linear_gemv import GEMV_ROWS, run_gemv
 from opfuse.kernels.registry import register
 
@@ -51,13 +51,26 @@ def _gemv_bf16_kernel(x, w, b, y):
             y[m, n] = acc + b[n]
 
 
+@njit(fastmath=_math._REDUCE, error_model="numpy", cache=True)
+def _gemv_bf16_at(xp, wp, bp, yp, m, k, n):
+    # _gemv_bf16_kernel on tensors given by address: x [M, K] f32, w [N, K] bf16 bits, y
+    # [M, N] f32; bias [N] f32 at bp, or none when bp is 0. The same loops, so the same sums.
+    x, w, y = carray(_math.f32_at(xp), (m, k)), carray(_math.u16_at(wp), (n, k)), carray(_math.f32_at(yp), (m, n))
+    b = carray(_math.f32_at(bp), (n,)) if bp != 0 else np.zeros(n, np.float32)
+    _gemv_bf16_kernel(x, w, b, y)
+
+
 @register("linear_bf16", "cpu")
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] float32 @ weight [N, K] bfloat16 (dense, contiguous) ᵀ + bias [N] float32
     or None -> [..., N] float32. Raises ValueError (named) for other dtypes, layouts or shapes."""
     k, n = check_linear_bf16(x, weight, bias)
+    m = x.numel() // k
+    if m <= GEMV_ROWS and by_address(x) and (bias is None or by_address(bias)):  # the weight: checked dense bf16
+        y = torch.empty((*x.shape[:-1], n))
+        _gemv_bf16_at(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), m, k, n)
+        return y
     x2 = f32(x).reshape(-1, k)
-    m = x2.shape[0]
     if m > GEMV_ROWS:
         xb = x2.to(torch.bfloat16)
         y = (torch.ops.mkldnn._linear_pointwise(xb, weight.detach(), None, "none", [], "") if onednn_bf16()

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import carray, njit, prange
 
 from opfuse.kernels.cpu import _math
 from opfuse.kernels.checks import check_rmsnorm
-from opfuse.kernels.cpu._launch import f32_rows, f32_vec, launch, to_torch
+from opfuse.kernels.cpu._launch import by_address, f32_rows, f32_vec, launch, to_torch
 from opfuse.kernels.registry import register
 
 _JIT = dict(error_model="numpy", cache=True)
@@ -121,10 +121,23 @@ def _rmsnorm_kernel(x, w, eps, out, round_to):
         row_rms_apply(x[i], rstd, w, out[i], round_to)  # read 2N, write N
 
 
+@njit(**_JIT)
+def _rmsnorm_at(xp, wp, eps, outp, m, n):
+    # _rmsnorm_kernel on float32 tensors given by address (x, out: [M, N]; w: [N]), serial
+    x, w, out = carray(_math.f32_at(xp), (m, n)), carray(_math.f32_at(wp), (n,)), carray(_math.f32_at(outp), (m, n))
+    e = np.float32(eps)
+    for i in range(m):
+        row_rms_apply(x[i], row_rms_rstd(x[i], e), w, out[i], ROUND_NONE)
+
+
 @register("rmsnorm", "cpu")
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim; x [..., N], weight [N] -> [..., N] of promote(x, weight) dtype."""
     n = check_rmsnorm(x, weight, device_type="cpu")
+    if by_address(x, weight):
+        out = torch.empty(x.shape)
+        _rmsnorm_at(x.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), x.numel() // n, n)
+        return out
     x2 = f32_rows(x, n)  # [M, N]
     out = np.empty_like(x2)  # [M, N]
     launch(_rmsnorm_kernel, x2.size)(x2, f32_vec(weight, n), np.float32(eps), out, ROUND_CODE[x.dtype])

@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import carray, njit, prange
 
 from opfuse.kernels.checks import ROPE_LAYOUTS as LAYOUTS  # noqa: F401  (re-exported)
 from opfuse.kernels.checks import check_rope, check_rope_qk
 from opfuse.kernels.cpu import _math
-from opfuse.kernels.cpu._launch import f32, launch, to_torch
+from opfuse.kernels.cpu._launch import by_address, f32, launch, to_torch
 from opfuse.kernels.registry import register
 
 
@@ -78,6 +78,31 @@ def _rope_kernel(x, cos, sin, out, interleaved):
                 _row_rotate_half(x[b, h, t], cos[bc, t], sin[bs, t], out[b, h, t])
 
 
+@njit(error_model="numpy", cache=True)
+def _rope_at(xp, cp, sp, outp, b, h, s, d, bt, interleaved):
+    # _rope_kernel on float32 contiguous tensors given by address: x, out [B, H, S, D];
+    # cos, sin [Bt, S, D] (Bt in {1, B}), serial
+    x, out = carray(_math.f32_at(xp), (b, h, s, d)), carray(_math.f32_at(outp), (b, h, s, d))
+    cos, sin = carray(_math.f32_at(cp), (bt, s, d)), carray(_math.f32_at(sp), (bt, s, d))
+    for bb in range(b):
+        c = bb if bt > 1 else 0
+        for hh in range(h):
+            for t in range(s):
+                if interleaved:
+                    _row_interleaved(x[bb, hh, t], cos[c, t], sin[c, t], out[bb, hh, t])
+                else:
+                    _row_rotate_half(x[bb, hh, t], cos[c, t], sin[c, t], out[bb, hh, t])
+
+
+def _tables_at(cos: torch.Tensor, sin: torch.Tensor, cos_shape: tuple, sin_shape: tuple, s: int, d: int) -> int:
+    """Bt when cos and sin are float32 contiguous full tables [Bt, 1, S, D] of one shape
+    (HF's ``unsqueeze(1)`` of [B, S, D]) — what :func:`_rope_at` reads by address — else 0."""
+    bt = cos_shape[0]
+    if cos_shape != sin_shape or tuple(cos_shape[1:]) != (1, s, d):
+        return 0
+    return bt if by_address(cos, sin) else 0
+
+
 def _table(t: torch.Tensor, shape: tuple[int, ...], s: int, d: int) -> np.ndarray:
     """cos / sin of (checked) 4-D ``shape`` [Bt, 1, S|1, D|1] -> float32 [Bt, S, D] (numpy)."""
     bt = shape[0]
@@ -114,6 +139,13 @@ def rope_qk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rope(q), rope(k)) with the same tables; q [B, H, S, D], k [B, Hkv, S, D]."""
     (b, s, d), cos_shape, sin_shape = check_rope_qk(q, k, cos, sin, layout, device_type="cpu")
+    bt = _tables_at(cos, sin, cos_shape, sin_shape, s, d)
+    if bt and by_address(q, k):  # a decode step's one-row q and k: by address, no numpy views
+        qo, ko = torch.empty(q.shape), torch.empty(k.shape)
+        inter = layout == "interleaved"
+        _rope_at(q.data_ptr(), cos.data_ptr(), sin.data_ptr(), qo.data_ptr(), b, q.shape[1], s, d, bt, inter)
+        _rope_at(k.data_ptr(), cos.data_ptr(), sin.data_ptr(), ko.data_ptr(), b, k.shape[1], s, d, bt, inter)
+        return qo, ko
     cos3, sin3 = _table(cos, cos_shape, s, d), _table(sin, sin_shape, s, d)  # staged once: [Bc, S, D]
     return (_rotate(q, cos3, sin3, layout, _out_dtype(q, cos, sin)),  # read BHSD, write BHSD
             _rotate(k, cos3, sin3, layout, _out_dtype(k, cos, sin)))  # read BHkvSD, write BHkvSD

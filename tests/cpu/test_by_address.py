@@ -1,0 +1,92 @@
+"""The launchers' by-address fast path (opfuse.kernels.cpu._launch.by_address): one-row
+float32 contiguous calls hand the kernels their tensors' addresses instead of numpy views.
+Its results must be bit-identical to the numpy-view path (the same kernels' loops) and to
+within float32 round-off of float64; other inputs keep the old path; the memoised argument
+checks still refuse bad input every time."""
+
+import pytest
+import torch
+
+from opfuse.kernels.cpu import _launch, add_rmsnorm, linear_bf16, linear_gemv, rmsnorm, rope
+
+
+def _both(monkeypatch, modules, call):
+    """(fast-path result, numpy-view result) of ``call()``: the second with by_address off."""
+    fast = call()
+    for m in modules:
+        monkeypatch.setattr(m, "by_address", lambda *t: False)
+    slow = call()
+    monkeypatch.undo()
+    return fast, slow
+
+
+def _same(a, b):
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.shape == y.shape and x.dtype == y.dtype and x.is_contiguous()
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 512), (2, 3, 64), (1, 1, 7)])
+def test_norms_by_address_equal_the_view_path_and_float64(monkeypatch, shape):
+    x, r, w = torch.randn(shape), torch.randn(shape), torch.randn(shape[-1])
+    fast, slow = _both(monkeypatch, [rmsnorm], lambda: rmsnorm.rmsnorm(x, w, 1e-6))
+    _same(fast, slow)
+    xd = x.double()
+    ref = w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert float((fast.double() - ref).abs().max()) < 1e-5 * float(ref.abs().max())
+    fast, slow = _both(monkeypatch, [add_rmsnorm], lambda: add_rmsnorm.add_rmsnorm(x, r, w, 1e-6))
+    _same(fast, slow)
+    assert torch.equal(fast[1], x + r)
+
+
+@pytest.mark.parametrize("rows, k, n, bias", [(1, 512, 256, False), (3, 64, 33, True), (8, 31, 5, True)])
+def test_gemvs_by_address_equal_the_view_path_and_float64(monkeypatch, rows, k, n, bias):
+    x, w = torch.randn(1, rows, k), torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    fast, slow = _both(monkeypatch, [linear_gemv], lambda: linear_gemv.linear_gemv(x, w, b))
+    _same(fast, slow)
+    assert float((fast.double() - exact).abs().max()) < 1e-4 * float(exact.abs().max()) + 1e-5
+    wb = w.to(torch.bfloat16)
+    exact = x.double() @ wb.double().T + (b.double() if bias else 0)
+    fast, slow = _both(monkeypatch, [linear_bf16], lambda: linear_bf16.linear_bf16(x, wb, b))
+    _same(fast, slow)
+    assert float((fast.double() - exact).abs().max()) < 1e-4 * float(exact.abs().max()) + 1e-5
+
+
+@pytest.mark.parametrize("layout", ["rotate_half", "interleaved"])
+def test_rope_qk_by_address_on_decode_views_equals_the_view_path(monkeypatch, layout):
+    """q / k as a decode step has them: [B, 1, H, D] transposed to [B, H, 1, D] (contiguous
+    in torch's sense), tables [B, 1, 1, D]; batch 2 with per-row tables."""
+    q = torch.randn(2, 1, 8, 64).transpose(1, 2)
+    k = torch.randn(2, 1, 4, 64).transpose(1, 2)
+    cos, sin = torch.randn(2, 1, 64).unsqueeze(1), torch.randn(2, 1, 64).unsqueeze(1)
+    calls = []
+    real = rope._rope_at
+    monkeypatch.setattr(rope, "_rope_at", lambda *a: calls.append(1) or real(*a))
+    fast = rope.rope_qk(q, k, cos, sin, layout)
+    assert calls == [1, 1]
+    monkeypatch.undo()
+    monkeypatch.setattr(rope, "by_address", lambda *t: False)
+    slow = rope.rope_qk(q, k, cos, sin, layout)
+    _same(fast, slow)
+    from opfuse.kernels import reference
+    torch.testing.assert_close(fast[0].double(), reference.rope(q, cos, sin, layout), rtol=1e-5, atol=1e-5)
+
+
+def test_other_inputs_keep_the_view_path():
+    """Strided, half-precision or many-row parallel inputs are not taken by address."""
+    x = torch.randn(4, 64)
+    assert _launch.by_address(x, torch.randn(64))
+    assert not _launch.by_address(x.t(), torch.randn(64))
+    assert not _launch.by_address(x.half())
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert not _launch.by_address(torch.randn(512, 256))  # parallel work: the prange kernel
+        assert _launch.by_address(torch.randn(1, 512))
+    finally:
+        torch.set_num_threads(before)
+
