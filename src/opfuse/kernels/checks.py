@@ -501,4 +501,3 @@ def _check_float32_gemv(op: str, x, weight, bias, weight_dtype: torch.dtype, dev
             raise ValueError(f"opfuse.{op}: bias must be float32, got {bias.dtype}")
         check_shape(op, "bias", bias, (n,))
     return k, n
-

@@ -414,7 +414,6 @@ def row_bias_gelu(y, b, use_tanh):  # y: [N] f32 in place, b: [N]; read 2N, writ
             y[j] = gelu_erf_f32(y[j] + b[j])
 
 
-
 # --- tensors by address (the launchers' one-row fast path) ------------------------------
 
 
