@@ -266,6 +266,103 @@ def test_attention_fully_masked_row_matches_eager_sdpa():
     assert_close(out, reference.attention(q, k, v, keep, 0.5, False), torch.float32)
 
 
+# --- one-row decode attention (kernels/cpu/attention.py _decode_at) ---------------------
+
+DECODE_SHAPES = [  # (B, H, Hkv, Sk, D)
+    (1, 8, 4, 256, 64),  # Llama-style GQA against a static cache
+    (2, 6, 2, 17, 32),
+    (3, 4, 4, 1, 8),  # one cached position
+    (1, 12, 1, 129, 64),  # multi-query
+    (2, 3, 3, 131, 7),  # odd head dim
+]
+
+
+@pytest.fixture
+def one_thread():
+    """The decode kernel runs serially: on one torch thread (a larger cache with more threads
+    goes to ATen SDPA's parallel kernel)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _decode_mask(kind: str, b: int, h: int, sk: int):
+    g = torch.Generator().manual_seed(31)
+    if kind == "none":
+        return None
+    if kind == "bool_b11s":  # HF's [B, 1, 1, S] padding / cache mask
+        keep = torch.rand(b, 1, 1, sk, generator=g) > 0.3
+        keep[..., 0] = True
+        return keep
+    if kind == "bool_per_head":  # a different mask per head: groups with partly dropped positions
+        keep = torch.rand(b, h, 1, sk, generator=g) > 0.5
+        keep[..., 0] = True
+        return keep
+    if kind == "float_tail":  # additive: a static cache's unwritten tail at -inf, a small bias elsewhere
+        m = torch.randn(1, 1, 1, sk, generator=g) * 0.1
+        m[..., sk - sk // 3:] = float("-inf")
+        m[..., 0] = 0.0
+        return m
+    return (torch.rand(1, sk, generator=g) > 0.3).logical_or(torch.arange(sk) == 0)  # 2-D [Sq=1, Sk] bool
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool_b11s", "bool_per_head", "float_tail", "bool_2d"])
+@pytest.mark.parametrize("shape", DECODE_SHAPES)
+def test_decode_attention_matches_float64_and_takes_the_one_row_kernel(shape, mask_kind, monkeypatch, one_thread):
+    from opfuse.kernels.cpu import attention as cpu_attention
+    b, h, hkv, sk, d = shape
+    q = randn(b, h, 1, d, seed=32)
+    k = randn(b, hkv, sk + 3, d, seed=33)[:, :, 1:sk + 1]  # a strided view of a longer cache
+    v = randn(b, sk, hkv, d, seed=34).transpose(1, 2)  # [B, Hkv, Sk, D] read through its strides
+    mask = _decode_mask(mask_kind, b, h, sk)
+    calls = []
+    kernel = cpu_attention._decode_at
+    monkeypatch.setattr(cpu_attention, "_decode_at", lambda *a: calls.append(1) or kernel(*a))
+    out = OP.attention(q, k, v, mask, 0.37, False)
+    assert calls, "the one-row decode kernel did not run"
+    assert_close(out, reference.attention(q, k, v, mask, 0.37, False), torch.float32)
+    eager = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.37, enable_gqa=hkv != h)
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("case", ["fully_masked_bool", "fully_masked_float", "nan_mask", "pos_inf_mask", "nan_q"])
+def test_decode_attention_special_rows_match_eager_sdpa(case, one_thread):
+    """Fully masked rows give zeros, a NaN or +inf score NaN — what ATen SDPA gives (eager)."""
+    q, k, v = randn(2, 4, 1, 16, seed=35), randn(2, 2, 9, 16, seed=36), randn(2, 2, 9, 16, seed=37)
+    if case == "fully_masked_bool":
+        mask = torch.ones(2, 4, 1, 9, dtype=torch.bool)
+        mask[1, 2] = False
+    else:
+        mask = torch.zeros(2, 4, 1, 9)
+        if case == "fully_masked_float":
+            mask[0, 3] = float("-inf")
+        elif case == "nan_mask":
+            mask[1, 1, 0, 4] = float("nan")
+        elif case == "pos_inf_mask":
+            mask[0, 0, 0, 2] = float("inf")
+        else:
+            q = q.clone()
+            q[1, 0, 0, 5] = float("nan")
+    out = OP.attention(q, k, v, mask, 0.25, False)
+    eager = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=2e-6, equal_nan=True)
+    assert torch.isnan(out).any() == (case in ("nan_mask", "pos_inf_mask", "nan_q"))
+
+
+@pytest.mark.parametrize("why", ["causal", "two_rows", "float16"])
+def test_decode_kernel_is_not_taken_where_it_does_not_apply(why, monkeypatch, one_thread):
+    """Causal, several query rows or another dtype: ATen SDPA runs."""
+    from opfuse.kernels.cpu import attention as cpu_attention
+    monkeypatch.setattr(cpu_attention, "_decode_at", lambda *a: pytest.fail("decode kernel taken"))
+    dtype = torch.float16 if why == "float16" else torch.float32
+    sq = 2 if why == "two_rows" else 1
+    q, k, v = randn(1, 2, sq, 8, dtype=dtype, seed=38), randn(1, 2, 5, 8, dtype=dtype, seed=39), \
+        randn(1, 2, 5, 8, dtype=dtype, seed=40)
+    out = OP.attention(q, k, v, None, 0.5, why == "causal")
+    assert_close(out, reference.attention(q, k, v, None, 0.5, why == "causal"), dtype)
+
+
 # --- non-contiguous inputs -------------------------------------------------------------
 
 

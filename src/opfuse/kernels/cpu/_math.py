@@ -434,3 +434,5 @@ def _pointer_to(dtype):
 f32_at = intrinsic(_pointer_to(types.float32))
 #: The same for bf16 bits (a bfloat16 tensor's memory read as uint16).
 u16_at = intrinsic(_pointer_to(types.uint16))
+#: The same for a bool tensor's bytes (uint8, nonzero = True).
+u8_at = intrinsic(_pointer_to(types.uint8))
