@@ -90,3 +90,40 @@ def test_other_inputs_keep_the_view_path():
     finally:
         torch.set_num_threads(before)
 
+
+
+@pytest.fixture
+def float64_default():
+    """A user who called ``torch.set_default_dtype(torch.float64)``: the fast paths' outputs
+    must stay float32 (they once came from ``torch.empty(shape)``: float64 buffers the
+    kernels filled with float32 bits, a silent wrong result)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
+def test_fast_paths_ignore_the_default_dtype(float64_default):
+    from opfuse.kernels import reference
+    from opfuse.kernels.cpu import attention
+    g = torch.Generator().manual_seed(3)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float32)
+
+    x, res, w, wt = r(1, 1, 64), r(1, 1, 64), r(64), r(48, 64)
+    checks = [
+        (rmsnorm.rmsnorm(x, w, 1e-6), reference.rmsnorm(x, w, 1e-6)),
+        (add_rmsnorm.add_rmsnorm(x, res, w, 1e-6)[0], reference.add_rmsnorm(x, res, w, 1e-6)[0]),
+        (linear_gemv.linear_gemv(x, wt, None), x.double() @ wt.double().t()),
+    ]
+    q, k = r(1, 4, 1, 16), r(1, 2, 1, 16)
+    cos, sin = r(1, 1, 16).unsqueeze(1), r(1, 1, 16).unsqueeze(1)
+    qo, ko = rope.rope_qk(q, k, cos, sin, "rotate_half")
+    checks += [(qo, reference.rope(q, cos, sin, "rotate_half")), (ko, reference.rope(k, cos, sin, "rotate_half"))]
+    kc, vc = r(1, 2, 9, 16), r(1, 2, 9, 16)
+    checks.append((attention.attention(q, kc, vc, None, 0.25, False),
+                   reference.attention(q, kc, vc, None, 0.25, False)))
+    for out, expected in checks:
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), expected.double(), rtol=1e-4, atol=1e-5)

@@ -61,7 +61,8 @@ def add_rmsnorm(
     """(rmsnorm(x + residual), x + residual); x, residual [..., N], weight [N]."""
     n = check_add_rmsnorm(x, residual, weight, device_type="cpu")
     if by_address(x, residual, weight):
-        out, s = torch.empty(x.shape), torch.empty(x.shape)
+        dense = torch.contiguous_format  # float32 like x, never torch's default dtype
+        out, s = torch.empty_like(x, memory_format=dense), torch.empty_like(x, memory_format=dense)
         _add_rmsnorm_at(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), s.data_ptr(),
                         x.numel() // n, n)
         return out, s

@@ -167,7 +167,7 @@ def _decode_fast(q, k, v, mask, scale, is_causal) -> torch.Tensor | None:
         mb_ = stride[-4] if nd == 4 and shape[-4] != 1 else 0
         mp = mask.data_ptr()
     qs, ks, vs = q.stride(), k.stride(), v.stride()
-    out = torch.empty((b, h, 1, dv))
+    out = torch.empty((b, h, 1, dv), dtype=torch.float32)  # never the default dtype
     _decode_at(q.data_ptr(), k.data_ptr(), v.data_ptr(), mp, out.data_ptr(), kind, b, h, hkv, sk, d, dv,
                scale, qs[0], qs[1], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], mb_, mh_, ms_)
     return out

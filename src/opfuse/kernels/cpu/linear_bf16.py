@@ -67,7 +67,7 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     k, n = check_linear_bf16(x, weight, bias)
     m = x.numel() // k
     if m <= GEMV_ROWS and by_address(x) and (bias is None or by_address(bias)):  # the weight: checked dense bf16
-        y = torch.empty((*x.shape[:-1], n))
+        y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
         _gemv_bf16_at(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), m, k, n)
         return y
     x2 = f32(x).reshape(-1, k)

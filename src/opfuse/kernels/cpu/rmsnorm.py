@@ -135,7 +135,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim; x [..., N], weight [N] -> [..., N] of promote(x, weight) dtype."""
     n = check_rmsnorm(x, weight, device_type="cpu")
     if by_address(x, weight):
-        out = torch.empty(x.shape)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)  # float32 like x, not the default dtype
         _rmsnorm_at(x.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), x.numel() // n, n)
         return out
     x2 = f32_rows(x, n)  # [M, N]

@@ -141,7 +141,8 @@ def rope_qk(
     (b, s, d), cos_shape, sin_shape = check_rope_qk(q, k, cos, sin, layout, device_type="cpu")
     bt = _tables_at(cos, sin, cos_shape, sin_shape, s, d)
     if bt and by_address(q, k):  # a decode step's one-row q and k: by address, no numpy views
-        qo, ko = torch.empty(q.shape), torch.empty(k.shape)
+        dense = torch.contiguous_format  # float32 like q and k, never torch's default dtype
+        qo, ko = torch.empty_like(q, memory_format=dense), torch.empty_like(k, memory_format=dense)
         inter = layout == "interleaved"
         _rope_at(q.data_ptr(), cos.data_ptr(), sin.data_ptr(), qo.data_ptr(), b, q.shape[1], s, d, bt, inter)
         _rope_at(k.data_ptr(), cos.data_ptr(), sin.data_ptr(), ko.data_ptr(), b, k.shape[1], s, d, bt, inter)
