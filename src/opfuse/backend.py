@@ -88,6 +88,35 @@ def _training_dropout(gm: fx.GraphModule) -> str | None:
     return None
 
 
+def _writes_in_place(gm: fx.GraphModule) -> bool:
+    """Whether any FX node of ``gm`` may write in place: a trailing-underscore method or
+    function (``add_``, ``index_copy_``), ``operator.setitem``, an ``out=`` argument or a
+    mutable ATen schema."""
+    import operator
+    for n in gm.graph.nodes:
+        if n.op not in ("call_method", "call_function"):
+            continue
+        if "out" in n.kwargs or n.target is operator.setitem:
+            return True
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        if isinstance(name, str) and name.endswith("_") and not name.endswith("__"):
+            return True
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            return True
+    return False
+
+
+def _versions(args) -> tuple | None:
+    """The version counter of every tensor argument (``None`` when one has none: an
+    inference tensor). A rerun after a failed fused call is safe only when no counter moved:
+    an in-place write (a KV cache's ``index_copy_``) applied twice is a wrong result."""
+    try:
+        return tuple(a._version for a in args if isinstance(a, torch.Tensor))
+    except RuntimeError:  # inference tensors track no version
+        return None
+
+
 class CompiledGraph:
     """The callable the backend returns for one dynamo graph.
 
@@ -106,6 +135,7 @@ class CompiledGraph:
         self.max_plans = max_plans
         self.calls = {"fused": 0, "fallback": 0}
         self.refusal = None
+        self.mutates = _writes_in_place(gm)
         where = _training_dropout(gm)
         if where is not None:
             self.refusal = (f"graph traced in training mode (dropout {where} active); "
@@ -126,6 +156,7 @@ class CompiledGraph:
                     self.plans.popitem(last=False)
             fused = self.plans[key]
             if fused is not None:
+                before = _versions(args) if self.mutates else ()
                 try:
                     out = fused(*[a for i, a in enumerate(args) if i not in self.static])
                     self.calls["fused"] += 1
@@ -133,6 +164,12 @@ class CompiledGraph:
                 except Exception as exc:  # a kernel that fails at run time: never lose the call
                     self.plans[key] = None
                     self._record(key, f"fused graph raised {type(exc).__name__}: {exc}")
+                    if self.mutates and (before is None or _versions(args) != before):
+                        raise RuntimeError(
+                            "opfuse backend: the fused graph raised after it may have written in "
+                            f"place to its inputs ({type(exc).__name__}: {exc}); running the graph "
+                            "unfused now would apply those writes twice. The plan is dropped: the "
+                            "next call runs unfused") from exc
         elif not any(f.reason == reason for f in self.fallbacks):
             self._record(None, reason)
         self.calls["fallback"] += 1

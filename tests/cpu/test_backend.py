@@ -140,3 +140,48 @@ def test_weights_updated_in_place_are_not_stale():
         compiled(*loaded.args)
         model.encoder.layer[0].attention.self.key.weight.mul_(2.0)  # folded into the QKV concat
         _close(compiled(*loaded.args).last_hidden_state, model(*loaded.args).last_hidden_state)
+
+
+class _CacheWrite(torch.nn.Module):
+    """A decode step's shape: an in-place write to an input (the KV cache), then a read."""
+
+    def forward(self, cache, x):
+        cache.index_copy_(0, torch.tensor([0]), x)
+        return cache * 2.0
+
+
+def _failing_after(write: bool):
+    def fused(cache, x=None):
+        if write:
+            cache.index_copy_(0, torch.tensor([0]), x)
+        raise RuntimeError("simulated kernel failure")
+    return fused
+
+
+@pytest.mark.parametrize("write", [True, False])
+def test_failed_fused_call_never_applies_an_inplace_write_twice(write):
+    gm = torch.fx.symbolic_trace(_CacheWrite())
+    cache, x = torch.zeros(4, 3), torch.ones(1, 3)
+    graph = B.CompiledGraph(gm, (cache, x), {})
+    assert graph.mutates
+    graph._optimize = lambda key, args: _failing_after(write)
+    if write:  # the fused graph wrote, then raised: rerunning would add the write again
+        with pytest.raises(RuntimeError, match="apply those writes twice"):
+            graph(cache, x)
+        assert cache[0].tolist() == [1.0, 1.0, 1.0] and cache[1:].eq(0).all()
+    else:  # nothing written yet: the unfused rerun is the one write
+        _close(graph(cache, x), torch.tensor([[2.0] * 3] + [[0.0] * 3] * 3))
+    assert graph.plans and all(p is None for p in graph.plans.values())
+    out = graph(cache, x)  # later calls run unfused, exactly once
+    assert cache[0].tolist() == [1.0, 1.0, 1.0] and out[0].tolist() == [2.0, 2.0, 2.0]
+
+
+def test_failed_fused_call_of_a_pure_graph_reruns_unfused():
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(3, 2).eval())
+    graph = B.CompiledGraph(gm, (torch.ones(1, 3),), {})
+    assert not graph.mutates
+    graph._optimize = lambda key, args: _failing_after(False)
+    with torch.inference_mode():  # inference tensors have no version counter
+        x = torch.ones(1, 3)
+        _close(graph(x), gm(x))
+    assert "simulated kernel failure" in graph.fallbacks[0].reason
