@@ -209,6 +209,53 @@ def test_bench_generate_structure(monkeypatch):
     assert {"held_folded_bytes", "held_cache_bytes"} <= set(bg.csv_rows(result)[0])
 
 
+def test_floor_streams_every_decode_weight_once_at_the_best_median_rate(monkeypatch):
+    """The decode floor's bandwidth: one pass reads every >= 2-D decode weight (not the input
+    embedding; the tied LM head once), each way's pass time is a median, the best way wins."""
+    from opfuse.bench import generate as bg
+
+    class Tied(torch.nn.Module):
+        def __init__(self, tie):
+            super().__init__()
+            self.emb, self.mid = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8)
+            self.head = torch.nn.Linear(8, 10, bias=False)
+            if tie:
+                self.head.weight = self.emb.weight
+
+        def get_input_embeddings(self):
+            return self.emb
+
+        def get_output_embeddings(self):
+            return self.head
+
+    for tie in (False, True):
+        m = Tied(tie)
+        ws = bg.decode_weights(m)
+        assert [tuple(w.shape) for w in ws] == [(8, 8), (10, 8)]  # mid.bias (1-D) and emb left out
+        assert any(w.data_ptr() == m.emb.weight.data_ptr() for w in ws) == tie  # the tied head, once
+        assert bg.decode_weight_bytes(m) == 4 * (64 + 8 + 80)
+    seconds = iter([2.0, 0.5, 3.0])  # per way (as is, pre-transposed, sum): a pass's median, stubbed
+    monkeypatch.setattr(bg, "_pass_seconds", lambda step, repeat: (step(), next(seconds))[1])
+    assert bg.gemv_bandwidth(Tied(False)) == 4 * (64 + 80) / 0.5
+    monkeypatch.undo()
+    calls = []
+    assert bg._pass_seconds(lambda: calls.append(1), 3) >= 0 and len(calls) == 4  # one warm-up + 3 timed
+    with pytest.raises(ValueError, match="no >= 2-D"):
+        bg.gemv_bandwidth(_NoMatrices())
+
+
+class _NoMatrices(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.scale = torch.nn.Embedding(4, 2), torch.nn.Parameter(torch.ones(2))
+
+    def get_input_embeddings(self):
+        return self.emb
+
+    def get_output_embeddings(self):
+        return None
+
+
 def test_held_bytes_counts_each_folded_storage_once():
     from opfuse.bench import generate as bg
     model = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.Tanh(), torch.nn.Linear(32, 8)).eval()
