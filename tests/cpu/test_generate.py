@@ -85,6 +85,7 @@ def test_decode_writes_the_cache_in_place_and_never_replans():
     storage = [layer.keys.data_ptr() for layer in cache.layers]
     fused.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
     assert len(fused.generation.graphs) == graphs  # same cache bucket: the same prefill and decode graphs
+    assert not fused.generation.replans  # HF's generate changed nothing the module fingerprint holds
     assert [layer.keys.data_ptr() for layer in cache.layers] == storage  # preallocated once, reset in place
     assert cache.get_max_length() == 128  # 10 + 20 tokens rounded up to CACHE_BUCKET
     for phase, compiled in fused.generation.graphs:
@@ -98,6 +99,49 @@ def test_decode_writes_the_cache_in_place_and_never_replans():
                 assert plan.report.inplace_writes == 4
     steps = fused.generation.summary()
     assert steps["new_tokens"] == 20 and steps["decode_step_s"] > 0
+
+
+def _change_weight(model):
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(3.0)
+
+
+def _replace_parameter(model):
+    o = model.model.layers[1].self_attn.o_proj
+    o.weight = torch.nn.Parameter(torch.randn_like(o.weight) * 0.2, requires_grad=False)
+
+
+def _replace_activation(model):  # a submodule without parameters: only the module's identity changes
+    model.model.layers[1].mlp.act_fn = torch.nn.ReLU()
+
+
+def _change_attribute(model):  # a plain attribute the traced forward reads
+    model.model.layers[0].self_attn.scaling = 0.6
+
+
+def test_generate_after_the_model_changed_never_runs_stale():
+    """dynamo keeps no guards on the model's modules (generate.GUARD_FILTER): each change
+    below must still reach the tokens, checked once per generate call."""
+    model = _lm("llama")
+    ids, mask = _prompt()
+    fused = opfuse.optimize(model, (ids,), example_kwargs={"attention_mask": mask})
+    kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+              return_dict_in_generate=True, output_logits=True)
+    before = fused.generate(ids, **kw)
+    for change in (_change_weight, _replace_parameter, _replace_activation, _change_attribute):
+        change(model)
+        with torch.no_grad():
+            ref = model.generate(ids, **kw)
+        assert not torch.allclose(ref.logits[0], before.logits[0], atol=1e-3), change.__name__  # the change matters
+        out = fused.generate(ids, **kw)
+        assert torch.equal(out.sequences, ref.sequences), change.__name__
+        for got, want in zip(out.logits, ref.logits):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        before = ref
+    phases = {p["phase"] for p in fused.generation.plans()}
+    assert phases == {"prefill", "decode"}  # still fused after the re-plans
+    assert len(fused.generation.replans) == 3  # replaced parameter, activation, attribute (the in-place write:
+    # the plans' own version guards)
 
 
 def test_sampling_with_a_seed_equals_eager():
