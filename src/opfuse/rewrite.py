@@ -72,9 +72,10 @@ def rewrite_region(gm: fx.GraphModule, match, replaced: dict) -> list[fx.Node]:
 _STRIDED_VIEWS = {aten.view.default, aten._unsafe_view.default}
 
 
-def relax_views(gm: fx.GraphModule) -> int:
+def relax_views(gm: fx.GraphModule, sources: set | None = None) -> int:
     """Turn every ``view`` computed from a fused op's output (through any chain of ops)
-    into ``reshape``.
+    into ``reshape`` (``sources``: from these nodes instead, e.g. the attentions the
+    precision pass lowered to ``opfuse.attention_bf16``).
 
     A fused op's output layout can differ from the op it replaces (ATen's CPU SDPA returns
     [B, H, S, D] laid out as [B, S, H, D], so ``transpose(1, 2)`` of it is contiguous and
@@ -85,7 +86,8 @@ def relax_views(gm: fx.GraphModule) -> int:
     changed."""
     changed, tainted = 0, set()
     for node in gm.graph.nodes:
-        if "opfuse_pattern" in node.meta or any(i in tainted for i in node.all_input_nodes):
+        source = node in sources if sources is not None else "opfuse_pattern" in node.meta
+        if source or any(i in tainted for i in node.all_input_nodes):
             tainted.add(node)
             if node.op == "call_function" and node.target in _STRIDED_VIEWS:
                 node.target = aten.reshape.default
