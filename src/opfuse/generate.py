@@ -76,7 +76,8 @@ def module_fingerprint(model: torch.nn.Module) -> tuple:
     """What dynamo's guards on nn.Module attributes check, as one comparable value: for
     every submodule its path, identity, class, ``forward`` (the class's and an instance
     override), hook counts, every plain attribute (bools, ints, floats, strings, None and
-    tuples of them — ``training``, HF's ``scaling``, ``is_causal``, ``layer_idx`` …), and
+    tuples of them — ``training``, HF's ``scaling``, ``is_causal``, ``layer_idx`` …) and the
+    identity of every plain tensor attribute, and
     every parameter's and buffer's identity, dtype, shape, device and ``requires_grad``;
     then the model's ``config`` as a dict. Costs ~a millisecond for an 8-layer Llama (once
     per ``generate`` call, never per step). In-place weight updates are not in it: the
@@ -87,6 +88,7 @@ def module_fingerprint(model: torch.nn.Module) -> tuple:
         rows.append((path, id(mod), type(mod), type(mod).forward, d.get("forward"),
                      len(mod._forward_hooks), len(mod._forward_pre_hooks),
                      tuple((k, v) for k, v in d.items() if _primitive(v)),
+                     tuple((k, id(v)) for k, v in d.items() if isinstance(v, torch.Tensor)),  # plain tensor attributes
                      tuple((n, id(t), t.dtype, tuple(t.shape), t.device, t.requires_grad)
                            for table in (mod._parameters, mod._buffers) for n, t in table.items() if t is not None)))
     config = getattr(model, "config", None)
@@ -298,6 +300,11 @@ class Generation:
         with routed_forward(model, self._forward), \
                 torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
             out = model.generate(input_ids, cache=cache, **kwargs)
+        if module_fingerprint(model) != self._fingerprint:  # changed by a callback while the graphs ran unguarded
+            raise GenerateError("opfuse: the model's modules changed during this generate() call (a logits "
+                                "processor, stopping criterion or streamer replaced a submodule, attribute or "
+                                "parameter): the steps after the change ran the graphs planned before it. "
+                                "Call generate() again: the next call re-plans")
         self.last["new_tokens"] = len(self.last["decode_s"]) + 1
         missing = [p for p in ("prefill", "decode") if p not in {phase for phase, _ in self.graphs}]
         if missing and (self.last["decode_s"] or "prefill" in missing):

@@ -144,6 +144,30 @@ def test_generate_after_the_model_changed_never_runs_stale():
     # the plans' own version guards)
 
 
+def test_a_model_changed_during_generate_is_an_error_then_replans():
+    """A logits processor that replaces a module mid-call: the graphs kept no guards on
+    it, so the call raises (never returns tokens that ignored the change); the next call
+    re-plans and equals eager."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+    model = _lm("llama")
+    ids, mask = _prompt()
+    fused = opfuse.optimize(model, (ids,), example_kwargs={"attention_mask": mask})
+    kw = dict(attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    fused.generate(ids, **kw)
+
+    class Swap(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[1] == ids.shape[1] + 2:
+                _replace_activation(model)
+            return scores
+    with pytest.raises(GenerateError, match="changed during this generate"):
+        fused.generate(ids, logits_processor=LogitsProcessorList([Swap()]), **kw)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+    assert torch.equal(fused.generate(ids, **kw), ref)
+    assert fused.generation.replans
+
+
 def test_sampling_with_a_seed_equals_eager():
     model, fused = _fused("llama")
     ids, mask = _prompt()
