@@ -465,7 +465,10 @@ class FusedModule(torch.nn.Module):
             what the model's ``generate`` returns (a [batch, prompt + new] tensor by default).
         Raises:
             opfuse.generate.GenerateError: the model has no LM head, beam search, a cache
-                that is not a big enough StaticCache, or a length beyond the model's positions.
+                that is not a big enough StaticCache, a length beyond the model's positions,
+                or the model's modules changed during the call (a callback replaced a
+                submodule, attribute or parameter; the next call re-plans). Changes between
+                calls re-plan the generation graphs (:func:`opfuse.generate.module_fingerprint`).
         """
         return self.generation.generate(input_ids, **kwargs)
 
