@@ -118,6 +118,15 @@ def _copy_kind(name: str, t: torch.Tensor) -> tuple:
     return name.split("_")[2], tuple(t.shape), t.dtype
 
 
+def _equal_packed(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two oneDNN (mkldnn) tensors hold the same values (compared as dense tensors: the
+    blocked layouts may differ); False where one cannot be read back."""
+    try:
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.to_dense(), b.to_dense())
+    except RuntimeError:
+        return False
+
+
 def share_folded_copies(gm, others: list) -> int:
     """Make ``gm`` reuse a folded copy another plan made of the same weight (merged QKV,
     pre-transposed, prepacked), whatever the two graphs call it, instead of holding one copy
@@ -127,10 +136,14 @@ def share_folded_copies(gm, others: list) -> int:
     name's ``opfuse_folded_<kind>_``), shape and dtype that is equal (``torch.equal``),
     tried first where it copies the same model tensor (the identity :func:`opfuse.gemm._fold`
     records). A oneDNN prepacked weight (opaque: no ``torch.equal``) matches one of the same
-    name, shape and source tensors (``opfuse_derived``): the same weight, perhaps blocked for
+    name, shape and source tensors (``opfuse_derived``), or of the same kind, shape and dtype
+    made of the same tensors at the same versions under other names (``opfuse_derived_ids``:
+    a dynamo graph's ``in6`` is the model's ``…q_proj.weight``) whose values are equal read
+    back dense (:func:`_equal_packed`: a square W and Wᵀ have the same sources and shape;
+    Llama bf16: the prefill plan's 44 MB of prepacked bf16 weights are the forward plan's): the same weight, perhaps blocked for
     another row count, which any row count runs on (:func:`opfuse.gemm.pack`). Returns the
     bytes no longer held twice."""
-    by_source, by_shape, packed = {}, {}, {}
+    by_source, by_shape, packed, packed_of = {}, {}, {}, {}
     for o in others:
         if o is None or o is gm:
             continue
@@ -139,6 +152,9 @@ def share_folded_copies(gm, others: list) -> int:
                 continue
             if t.is_mkldnn:
                 packed.setdefault(n, (t, _meta(o, "opfuse_derived").get(n)))
+                ids = _meta(o, "opfuse_derived_ids").get(n)
+                if ids is not None:  # the same model tensors under another graph's names
+                    packed_of.setdefault((_copy_kind(n, t), ids), t)
                 continue
             kind = _copy_kind(n, t)
             src = _meta(o, "opfuse_folded_from").get(n)
@@ -151,12 +167,17 @@ def share_folded_copies(gm, others: list) -> int:
     for n, t in list(gm.named_buffers()) if gm is not None else []:
         if not n.startswith("opfuse_folded_"):
             continue
-        if t.is_mkldnn:
-            same, made_of = packed.get(n, (None, None))
-            if same is not None and same is not t and same.shape == t.shape and made_of \
-                    and _meta(gm, "opfuse_derived").get(n) == made_of:
-                gm.register_buffer(n, same)
-                saved += t.numel() * t.element_size()
+        if t.is_mkldnn:  # opaque: shared only where the values read back dense are equal
+            ids = _meta(gm, "opfuse_derived_ids").get(n)
+            by_name, made_of = packed.get(n, (None, None))
+            candidates = ([packed_of[(_copy_kind(n, t), ids)]] if ids is not None and (_copy_kind(n, t), ids) in packed_of
+                          else []) + ([by_name] if by_name is not None and made_of
+                                      and _meta(gm, "opfuse_derived").get(n) == made_of else [])
+            for same in candidates:  # (a name is no identity across dynamo graphs: `in11` of the prefill
+                if same is not t and _equal_packed(same, t):  # graph can be another weight than the decode's)
+                    gm.register_buffer(n, same)
+                    saved += t.numel() * t.element_size()
+                    break
             continue
         kind, src = _copy_kind(n, t), _meta(gm, "opfuse_folded_from").get(n)
         candidates = ([by_source[(kind, src)]] if (kind, src) in by_source else []) + by_shape.get(kind, [])

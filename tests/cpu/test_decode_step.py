@@ -2,6 +2,7 @@
 Python dispatch per token). Each test asserts the values against eager or float64 and the
 ops the plan keeps or drops."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -314,3 +315,45 @@ def test_decode_plan_shares_the_forward_plans_weight_copies():
     assert torch.equal(fused.generate(ids, **kw), lm.generate(ids, **kw))
     with torch.no_grad():
         torch.testing.assert_close(fused(ids).logits, lm(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def _assert_generation_close(fused, lm, ids, new=6):
+    """fused.generate equals eager's generate up to float32 rounding: logits of every step
+    within 1e-4 while the tokens agree; where they part, the step's logits are still within
+    it and eager's top two are a near-tie (oneDNN's sums differ from MKL's in the last bits)."""
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+              return_dict_in_generate=True, output_logits=True)
+    out = fused.generate(ids, **kw)
+    with torch.no_grad():
+        ref = lm.generate(ids, **kw)
+    for step, (got, want) in enumerate(zip(out.logits, ref.logits)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        pos = ids.shape[1] + step
+        if not torch.equal(out.sequences[:, pos], ref.sequences[:, pos]):
+            top = want.topk(2).values
+            assert float(top[0, 0] - top[0, 1]) < 1e-4, step
+            break
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="prepacked weights are oneDNN's")
+def test_prefill_plan_shares_the_forward_plans_prepacked_weights():
+    """oneDNN prepacked weights are opaque (no torch.equal): the prefill plan (dynamo's
+    graph, whose weights are named ``in6`` …) reuses the forward plan's (torch.export's,
+    named by FQN) where both were made of the same model tensors (``opfuse_derived_ids``);
+    tokens equal eager's, also after a shared copy's source changes."""
+    from opfuse.bench.generate import held_bytes
+    lm = _tiny_lm()
+    ids = torch.randint(3, 500, (1, 6), generator=torch.Generator().manual_seed(0))
+    fused = opfuse.optimize(lm, (ids,), decide="rho", gemm="packed")
+    forward = [t for p in fused._plans.values() for n, t in p.gm.named_buffers()
+               if n.startswith("opfuse_folded_") and t.is_mkldnn]
+    assert len(forward) >= 2 * 4 + 1  # per layer: merged QKV, o, gate/up (or merged), down; LM head
+    alone = held_bytes(fused)["folded"]
+    _assert_generation_close(fused, lm, ids)
+    (prefill,) = _phase_plans(fused, "prefill")
+    packed = [t for n, t in prefill.gm.named_buffers() if n.startswith("opfuse_folded_") and t.is_mkldnn]
+    assert packed and all(any(t is f for f in forward) for t in packed), len(packed)
+    assert held_bytes(fused)["folded"] - alone < sum(t.numel() * t.element_size() for t in packed)
+    with torch.no_grad():
+        lm.model.layers[1].mlp.down_proj.weight.mul_(0.5)
+    _assert_generation_close(fused, lm, ids)

@@ -161,6 +161,37 @@ def note_derived(gm: fx.GraphModule, name: str, sources: list[str]) -> None:
     for src in sources:
         roots += derived.get(src, [src])
     derived[name] = tuple(dict.fromkeys(roots))
+    # the identities and version counters of those model tensors (``opfuse_derived_ids``):
+    # another plan's copy made of the same tensors at the same versions, under other names
+    # (a dynamo graph's ``in6``), is the same weight (:func:`opfuse.api.share_folded_copies`;
+    # the version keeps a stale plan's copy from being shared after an in-place update); none
+    # when a root is not an attribute here or has no version counter (inference tensors)
+    by_id = gm.meta.setdefault("opfuse_derived_ids", {})
+    ids: list[tuple[int, int]] = []
+    for src in sources:
+        if src in by_id:
+            ids += by_id[src]
+            continue
+        t = _attribute(gm, src)
+        if t is None or src.startswith("opfuse_folded_"):
+            by_id.pop(name, None)
+            return
+        try:
+            ids.append((id(t), t._version))
+        except RuntimeError:  # an inference tensor: no version counter
+            by_id.pop(name, None)
+            return
+    by_id[name] = tuple(dict.fromkeys(ids))
+
+
+def _attribute(gm: fx.GraphModule, target: str) -> torch.Tensor | None:
+    """The tensor at dotted attribute path ``target`` of ``gm``, or None."""
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if isinstance(obj, torch.Tensor) else None
 
 
 def foldable(gm: fx.GraphModule, node: fx.Node) -> bool:
