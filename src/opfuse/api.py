@@ -138,11 +138,12 @@ def share_folded_copies(gm, others: list) -> int:
     records). A oneDNN prepacked weight (opaque: no ``torch.equal``) matches one of the same
     name, shape and source tensors (``opfuse_derived``), or of the same kind, shape and dtype
     made of the same tensors at the same versions under other names (``opfuse_derived_ids``:
-    a dynamo graph's ``in6`` is the model's ``…q_proj.weight``) whose values are equal read
-    back dense (:func:`_equal_packed`: a square W and Wᵀ have the same sources and shape;
-    Llama bf16: the prefill plan's 44 MB of prepacked bf16 weights are the forward plan's): the same weight, perhaps blocked for
-    another row count, which any row count runs on (:func:`opfuse.gemm.pack`). Returns the
-    bytes no longer held twice."""
+    a dynamo graph's ``in6`` is the model's ``…q_proj.weight``; Llama bf16: the prefill
+    plan's 44 MB of prepacked bf16 weights are the forward plan's), and in either case only
+    where the values read back dense are equal (:func:`_equal_packed`: a square W and Wᵀ
+    have the same sources and shape): the same weight, perhaps blocked for another row
+    count, which any row count runs on (:func:`opfuse.gemm.pack`). Returns the bytes no
+    longer held twice."""
     by_source, by_shape, packed, packed_of = {}, {}, {}, {}
     for o in others:
         if o is None or o is gm:
@@ -168,13 +169,13 @@ def share_folded_copies(gm, others: list) -> int:
         if not n.startswith("opfuse_folded_"):
             continue
         if t.is_mkldnn:  # opaque: shared only where the values read back dense are equal
-            ids = _meta(gm, "opfuse_derived_ids").get(n)
+            key = (_copy_kind(n, t), _meta(gm, "opfuse_derived_ids").get(n))
+            candidates = [packed_of[key]] if key in packed_of else []
             by_name, made_of = packed.get(n, (None, None))
-            candidates = ([packed_of[(_copy_kind(n, t), ids)]] if ids is not None and (_copy_kind(n, t), ids) in packed_of
-                          else []) + ([by_name] if by_name is not None and made_of
-                                      and _meta(gm, "opfuse_derived").get(n) == made_of else [])
-            for same in candidates:  # (a name is no identity across dynamo graphs: `in11` of the prefill
-                if same is not t and _equal_packed(same, t):  # graph can be another weight than the decode's)
+            if by_name is not None and made_of and _meta(gm, "opfuse_derived").get(n) == made_of:
+                candidates.append(by_name)  # a name is no identity across dynamo graphs (`in11` of the
+            for same in candidates:         # prefill graph can be another weight than the decode's)
+                if same is not t and _equal_packed(same, t):
                     gm.register_buffer(n, same)
                     saved += t.numel() * t.element_size()
                     break
