@@ -193,7 +193,7 @@ class Generation:
         self.last: dict = {}
         self._phase = "prefill"
         self._runner = None
-        self._fingerprint = None  # module_fingerprint(model) when self._runner was compiled
+        self._fingerprint = None  # module_fingerprint(model) at the start of the latest generate call
         self.replans: list[str] = []  # why the generation graphs were dropped and re-planned
 
     # -- dynamo → opfuse ------------------------------------------------------------------
