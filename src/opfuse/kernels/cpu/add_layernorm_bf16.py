@@ -45,23 +45,34 @@ def _row_add_shift(x, r, i, y):  # x: [M, N] uint16 bf16 bits, r: [M, N] f32, ro
 
 
 @njit(fastmath=_math._APPLY, error_model="numpy", cache=True)
-def _row_round(y, ob, i):  # ob[i, j] = bf16 bits of y[j]; NaN → the quiet NaN
+def _row_write(y, mean, rstd, w, b, out, ob, i):
+    # out[i, j] = (y_j − mean)·rstd·w_j + b_j (float32), ob[i, j] = its bf16 bits (NaN → the
+    # quiet NaN); y is a scratch row, apart from out and ob, so the loop vectorises in the
+    # in-place form too (out = r and ob = x there: written only after the row is read whole)
     for j in range(y.shape[0]):
-        v = y[j]
+        v = (y[j] - mean) * rstd * w[j] + b[j]
+        out[i, j] = v
         u = _math.f32_to_bf16(v)
         ob[i, j] = u if v == v else _BF16_NAN
 
 
+_BLOCK = 16  # rows per parallel task (one scratch row each)
+
+
 @njit(parallel=True, error_model="numpy", cache=True)
 def _add_layernorm_bf16_kernel(x, r, w, b, eps, out, ob):
-    # x: [M, N] uint16 (bf16 bits); r: [M, N] f32; w, b: [N] f32; out: [M, N] f32; ob: [M, N] uint16
-    for i in prange(x.shape[0]):
-        y = out[i]
-        _row_add_shift(x, r, i, y)
-        mean = _math.row_mean(y)
-        rstd = _math.row_rstd(y, mean, eps)
-        _math.row_normalize(y, mean, rstd, w, b)
-        _row_round(y, ob, i)
+    # x: [M, N] uint16 (bf16 bits); r: [M, N] f32; w, b: [N] f32; out: [M, N] f32; ob: [M, N] uint16.
+    # The shifted row goes to a scratch row, not to out: in the in-place form out is r, and a
+    # loop reading r[i] while writing it ran scalar (LLVM's overlap check fails at run time):
+    # 98 against 60 µs for the functional form at 128×768 (Zen 4, one thread)
+    m = x.shape[0]
+    for blk in prange((m + _BLOCK - 1) // _BLOCK):
+        y = np.empty(x.shape[1], np.float32)
+        for i in range(blk * _BLOCK, min(m, (blk + 1) * _BLOCK)):
+            _row_add_shift(x, r, i, y)
+            mean = _math.row_mean(y)
+            rstd = _math.row_rstd(y, mean, eps)
+            _row_write(y, mean, rstd, w, b, out, ob, i)
 
 
 @register("add_layernorm_bf16", "cpu")
