@@ -721,20 +721,24 @@ def _attention_region(node: fx.Node, env: dict, call: tuple, values: list, m: in
         if not names:
             return None  # grouped-query heads, and ATen's bf16 SDPA loses non-finite values here
         shift = "opfuse" in names and not _relative_error(low(*rounded, False), ref_r) <= UNSHIFTED_SHARE * tol
-        forms = {"opfuse": (shift, False), "aten": (True, True)}
+        # the row shift from landmark keys (one small GEMM instead of S₁ and its row max), held
+        # to the same margin as the raw scores: its error, too, depends on the inputs
+        sample = shift and _relative_error(low(*rounded, True, False, True), ref_r) <= UNSHIFTED_SHARE * tol
+        forms = {"opfuse": (shift, False, sample), "aten": (True, True, False)}
         forms = {f: forms[f] for f in names
                  if f == "opfuse" or len(names) == 1 or _relative_error(low(*rounded, *forms[f]), ref_r) <= tol}
     shape = f"{'x'.join(str(as_int(s)) for s in q.shape)}, Sk={as_int(k.shape[-2])}, mask={values[3] is not None}, " \
             f"causal={values[5]}" + (f", Hkv={as_int(k.shape[1])}" if gqa else "")
     form, _ = _attention_form(f"bf16 attention v{attention_bf16_version} forms {'/'.join(forms)} ({shape}"
-                              f"{', shifted' if shift else ''}{', bf16 q/k/v' if fed else ''})",
+                              f"{', sampled shift' if sample else ', shifted' if shift else ''}{', bf16 q/k/v' if fed else ''})",
                               {f: (lambda a=a: low(*timed_values, *a)) for f, a in forms.items()})
     flags = forms[form]
     target, args, kwargs = node.target, node.args, node.kwargs
 
     def lower():
         node.target = low
-        node.args = tuple(call) + ((True, True) if form == "aten" else () if shift else (False,))
+        node.args = tuple(call) + ((True, True) if form == "aten" else (True, False, True) if sample else
+                                   () if shift else (False,))
         node.kwargs = {}
         node.meta["opfuse_precision"] = "bf16"
         node.meta["opfuse_gqa"] = gqa
@@ -748,8 +752,9 @@ def _attention_region(node: fx.Node, env: dict, call: tuple, values: list, m: in
         return target(*[env.get(a, a) if isinstance(a, fx.Node) else a for a in args],
                       **{kk: env.get(a, a) if isinstance(a, fx.Node) else a for kk, a in kwargs.items()})
     d, sk = q.shape[-1], k.shape[-2]
-    name = "ATen SDPA" if form == "aten" else "shifted" if shift else "unshifted"
+    name = "ATen SDPA" if form == "aten" else "sampled shift" if sample else "shifted" if shift else "unshifted"
     how = " (ATen's SDPA on bf16 q/k/v: float32 scores" if form == "aten" else \
+        " GEMMs (scores rounded after the landmark keys' max is taken off" if sample else \
         f" GEMMs ({'scores rounded after the row max is taken off' if shift else 'raw scores rounded'}"
     return Region(node, m, as_int(d), as_int(sk), fp32,
                   lambda: low(*values, *flags), env[node], lower, restore, lambda: None,

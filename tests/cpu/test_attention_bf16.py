@@ -3,6 +3,7 @@ the scores and a float32 softmax, against the float64 oracle with bf16 tolerance
 cases it hands to the float32 kernel (NaN, GQA) give exactly that kernel's result; as a
 precision site, attention goes bf16 only within its error budget."""
 
+import copy
 import math
 
 import pytest
@@ -242,7 +243,8 @@ def test_unshifted_scores_where_accurate_enough_else_shifted():
     info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER, tolerance=1.5e-2)
     att = [g for g in info["gemms"] if g["region"] == "attention"]
     assert [g["precision"] for g in att] == ["bf16", "bf16"]
-    assert "row max is taken off" in att[0]["reason"] and "raw scores" in att[1]["reason"]
+    # 16 keys: the landmarks are every key, so the sampled shift is the row max itself
+    assert "max is taken off" in att[0]["reason"] and "raw scores" in att[1]["reason"]
     nodes = [n for n in gm.graph.nodes if n.target is torch.ops.opfuse.attention_bf16.default]
     assert [len(n.args) == 7 and n.args[6] is False for n in nodes] == [False, True]
     with torch.no_grad():
@@ -580,3 +582,62 @@ def test_a_bf16_plan_that_raises_goes_back_to_float32(monkeypatch):
     assert not [n for n in gm.graph.nodes if n.meta.get("opfuse_precision") == "bf16"]
     with torch.no_grad():
         assert torch.equal(gm(*loaded.args, **loaded.kwargs)[0], ref)
+
+
+def test_sampled_shift_where_its_error_allows_else_the_row_max(monkeypatch):
+    """Longer rows (64 keys: 16 landmarks, every 4th), layer 0's scores made large (query
+    weights ×200): the sampled shift's error is within the margin and it is lowered
+    (``sample=True``); with one landmark (key 0 alone) the estimate is far below the rows'
+    maxima, its error over the margin, and the full row max is taken instead."""
+    import opfuse
+    from opfuse.models import load
+    loaded = load("bert-tiny", batch=2, seq=64)
+    with torch.no_grad():
+        loaded.model.encoder.layer[0].attention.self.query.weight.mul_(200.0)
+    fused = opfuse.optimize(loaded.model, loaded.args, example_kwargs=loaded.kwargs, decide="rho")
+    plan = next(iter(fused._plans.values())).gm
+    for landmarks, how, args in ((16, "landmark keys' max", (True, False, True)), (1, "row max", ())):
+        monkeypatch.setattr(A, "LANDMARKS", landmarks)
+        gm = copy.deepcopy(plan)
+        info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER, tolerance=1.5e-2)
+        att = [g for g in info["gemms"] if g["region"] == "attention"]
+        assert [g["precision"] for g in att] == ["bf16", "bf16"]
+        assert how + " is taken off" in att[0]["reason"], att[0]["reason"]
+        nodes = [n for n in gm.graph.nodes if n.target is torch.ops.opfuse.attention_bf16.default]
+        assert tuple(nodes[0].args[6:]) == args
+        with torch.no_grad():
+            out = P._outputs(gm, loaded.args, loaded.kwargs)[0]
+            ref = loaded.model(*loaded.args, **loaded.kwargs)[0]
+        assert _rel(out, ref.double()) < 5e-2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sampled_shift_kernel_against_float64(causal):
+    """``sample=True``: scores with a large per-row offset (a component shared by every key,
+    as a key bias gives) are as accurate as with the full row max, where the raw scores are
+    far off; causal rows (whose landmarks are cut at the query: row 0 has key 0 alone) and a
+    padding mask hold; a row whose landmarks are all masked takes no shift (m = 0) and is
+    still right; a fully masked row gives 0."""
+    g = torch.Generator().manual_seed(3)
+    b, h, s, d = 2, 3, 128, 32
+    q, k, v = (torch.randn(b, h, s, d, generator=g) for _ in range(3))
+    u = torch.randn(d, generator=g)
+    q, k = q + 2 * u, k + 6 * u  # q_i·k_j gains ~12|u|² for every key: ~400, ×0.18 in the logits
+    mask = torch.ones(b, 1, s, s, dtype=torch.bool)
+    mask[1, :, :, 100:] = False  # padding
+    mask[1, :, 5, ::8] = False  # row 5: every landmark masked
+    mask[1, :, 7] = False  # row 7: fully masked
+    mask = None if causal else mask  # (a mask and is_causal are exclusive, as in SDPA)
+    ref = reference.attention(q.double(), k.double(), v.double(), mask, 0.18, causal)
+    rows = [i for i in range(s) if causal or i not in (5, 7)]
+    den = float(ref.abs().max())
+    errs = {}
+    for name, args in (("sampled", (True, False, True)), ("row max", (True,)), ("raw", (False,))):
+        out = attention_bf16(q, k, v, mask, 0.18, causal, *args)
+        assert out.dtype == torch.float32 and out.shape == q.shape
+        if not causal:
+            assert torch.equal(out[1, :, 7], torch.zeros_like(out[1, :, 7]))  # fully masked: 0
+            assert float((out.double() - ref)[1, :, 5].abs().max()) / den < 0.1  # no landmark kept: raw error
+        errs[name] = float((out.double() - ref)[:, :, rows].abs().max()) / den
+    assert errs["sampled"] < 1.5 * errs["row max"] + 1e-3 and errs["sampled"] < 0.3 * errs["raw"], errs
+    assert errs["sampled"] < 4e-2, errs  # (q, k rounded to bf16: large scores, large error in any form)

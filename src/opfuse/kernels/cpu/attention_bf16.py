@@ -2,8 +2,8 @@
 
     q [B, H, Sq, D] ─┐ → bf16 ─ S₁ = q·kᵀ (oneDNN bf16 batched GEMM, rounded to bf16) ─┐
     k [B, H, Sk, D] ─┤                                                                 │ _row_max: m = max over kept keys of S₁
-                     │   S = q·kᵀ − m  (baddbmm: the shift enters oneDNN's f32 accumulator, ◄┘  (bf16-exact, so −m is exact)
-                     │        one rounding to bf16 of the *shifted* score)
+                     │   S = [q | −m | 0]·[k | 1 | 0]ᵀ = q·kᵀ − m (K = D + 2: the shift ◄┘  (bf16-exact, so −m is exact)
+                     │        enters oneDNN's f32 accumulator; one rounding to bf16 of the *shifted* score)
                      │   _softmax_rows: P = softmax(scale·S + mask) in float32 → bf16
     v [B, H, Sk, Dv] ┴── O = P·v (oneDNN bf16 batched GEMM, float32 accumulation) ──► [B, H, Sq, Dv] float32
 
@@ -26,6 +26,17 @@ The heads go through in chunks whose bf16 scores fill ~1 MB (L2): S₁, S and P 
 buffer (S overwrites S₁ once its row max is taken, P overwrites S row by row), so the
 scores never leave the core's cache between the GEMMs and the softmax.
 
+``sample=True`` takes m from :data:`LANDMARKS` evenly spaced keys instead of all of them
+(L = q·k_lᵀ, one GEMM an eighth of S₁'s at Sk = 128, then _landmark_max): S − m is then
+small near the row's max wherever a landmark scores close to it. Any bf16 m keeps the
+softmax exact (only where the rounding falls changes), so this is a question of error only,
+which the precision pass measures per layer. Measured on all-MiniLM-L6-v2's six layers (real
+weights; 8 sentences, and 8×128 random tokens), max|Δ|/max|ref| vs float64 of the emulated
+forms: sampled 2.8e-3…6.1e-3 and 5.2e-3…1.3e-2, the full row max 3.6e-3…6.0e-3 and 5.1e-3…1.3e-2,
+raw 2.8e-3…1.2e-2 and 7.3e-3…2.8e-2; on random q, k (no dominant key) sampled is between
+(2.1e-2 against 4.5e-3 and 5.5e-2). Time, 8×12×128×32, Zen 4, one thread: 2.68 ms against
+3.43 for the full row max and 2.40 unshifted.
+
 ``shift=False`` skips S₁ and the row max: S = q·kᵀ rounded as it is (the softmax then takes
 the max off itself, as without the shift its scores can be large).
 
@@ -37,7 +48,8 @@ at 1×12×512×64, while on Zen 5 (avx512_bf16, no AMX) it was slower than float
 0.84 at 1×12×128×64). Its non-finite and fully masked rows are ATen's, as the float32
 kernel's. The precision pass times both forms and keeps the faster.
 
-FLOPs: 6·B·H·Sq·Sk·D (three GEMMs; the first only for the shift; 4·… unshifted); traffic: read q, k, v (+mask),
+FLOPs: 6·B·H·Sq·Sk·D (three GEMMs; the first only for the shift; 4·… unshifted, (4 + 2/8)·… sampled at
+Sk = 128); traffic: read q, k, v (+mask),
 2 + 2 + 2 bytes per score (S₁, S, P; in L2), write out.
 """
 
@@ -58,7 +70,7 @@ from opfuse.kernels.cpu.attention import attention as attention_f32
 from opfuse.kernels.registry import register
 
 #: In the precision pass's timing-cache key (opfuse.precision): a changed kernel is timed again.
-VERSION = 7
+VERSION = 8
 _NEG_INF = np.float32(-np.inf)
 _INF = np.float32(np.inf)
 _KEEP = np.float32(-1e4)  # an additive mask entry above this counts as kept for the shift's max
@@ -102,15 +114,43 @@ def _row_max(s, mask, mrow, has_mask, causal, m):
         m[r] = _math.f32_to_bf16(-mx) if key != 0 and np.isfinite(mx) else 0
 
 
+@njit(error_model="numpy", cache=True, parallel=True)
+def _landmark_max(s, ml, mrow, causal, step, m):
+    # s: [R, L] uint16 (bf16 bits of q·k_lᵀ for the landmark keys l·step, l < L); ml: [Rm, L]
+    # f32, 0 where the mask keeps landmark l, −inf where not; m: [R] uint16 out (may be a
+    # strided column: the augmented q's shift column), the bf16 bits of −(max over the kept
+    # landmarks), 0 when none is kept or it is not finite. Written as order keys of
+    # (score + ml): one 16-lane vector a row at L = 16.
+    R, L = s.shape
+    for r in prange(R):
+        n = L * step
+        if causal:
+            n = r % causal + 1
+        mr = mrow[r]
+        best = np.uint32(0)
+        for t in range(L):
+            v = _math.bf16_to_f32(s[r, t]) + ml[mr, t]
+            v = v if t * step < n else _NEG_INF
+            best = _math.umax32(best, _math.order_key(v))
+        mx = _math.from_order_key(best)
+        m[r] = _math.f32_to_bf16(-mx) if np.isfinite(mx) else 0
+
+
 @njit(fastmath=_math._REDUCE, error_model="numpy", cache=True)
-def _row_exp(x, mx, e):  # e[j] = exp(x[j] − mx) (0 below e^-87, a select: vectorises); returns the sum
+def _row_exp(s, r, mask, mr, has_mask, n, scale, mx, e):
+    # e[j] = exp(x_j − mx), x_j = scale·s[r, j] + mask[mr, j] (−inf from key n on), 0 below
+    # e^-87 (a select: vectorises); returns the sum. The softmax's second pass, for rows whose
+    # scores are large (raw scores) or masked by finite values.
     acc = _Z
-    for j in range(x.shape[0]):
-        d = x[j] - mx
-        v = _math.exp_f32(d)
-        v = v if d > _EXP_MIN else _Z
-        e[j] = v
-        acc += v
+    for j in range(s.shape[1]):
+        v = _math.bf16_to_f32(s[r, j]) * scale
+        if has_mask:
+            v = v + mask[mr, j]
+        d = v - mx if j < n else _NEG_INF
+        w = _math.exp_f32(d)
+        w = w if d > _EXP_MIN else _Z
+        e[j] = w
+        acc += w
     return acc
 
 
@@ -118,50 +158,64 @@ def _row_exp(x, mx, e):  # e[j] = exp(x[j] − mx) (0 below e^-87, a select: vec
 def _softmax_rows(s, mask, mrow, has_mask, causal, scale, p, bad):
     # s: [R, Sk] uint16 (bf16 bits of the shifted scores); p: [R, Sk] uint16 out (bf16
     # bits of the probabilities); bad: [R] uint8 out, 1 where a row held NaN/±inf scores
-    # (the caller then runs the float32 kernel). causal: Sq (key j ≤ query i) or 0.
+    # (the caller then runs the float32 kernel). causal: Sq (key j ≤ query i) or 0. The
+    # mask holds no NaN / +inf (the caller checks it once): with finite scores (the bf16
+    # exponent field looked at) x is then never NaN, so the loop tracks no NaN.
     # The row loop is written out here, not called: as helpers it ran 0.63 ns a score
-    # against 0.48 inline (Zen 5, one thread).
+    # against 0.48 inline (Zen 5, one thread); and twice, causal or not: the key limit's
+    # select costs 20% of the loop where nothing is cut (347 vs 291 µs a 32-head chunk at
+    # 128×128, Zen 4), and a loop cut at n (no select) runs its remainder scalar.
     R, Sk = s.shape
     blocks = (R + _BLOCK - 1) // _BLOCK
     for blk in prange(blocks):
-        x = np.empty(Sk, np.float32)  # scratch rows per block (an allocation per row cost 2x the kernel);
-        e = np.empty(Sk, np.float32)  # e apart from x: exp in place (aliased) did not vectorise, 10x slower
+        e = np.empty(Sk, np.float32)  # scratch row per block (an allocation per row cost 2x the kernel)
         for r in range(blk * _BLOCK, min(R, (blk + 1) * _BLOCK)):
             n = Sk
             if causal:
                 n = min(Sk, r % causal + 1)
             mr = mrow[r]
-            # x = scale·s + mask (−inf beyond n), e = exp(x) with no max taken off (shifted
-            # scores, shift=True: x ≤ ~0 where the mask is ≤ 0; raw scores or a positive mask
-            # fail the check below and take the max off in a second pass). The maxima are integer maxima of 32-bit keys (a float
-            # max reduction did not vectorise: 0.43 ms per 1.6M scores against 0.11).
+            # e = exp(x), x = scale·s + mask (−inf beyond n), with no max taken off (shifted
+            # scores: x ≤ ~0 where the mask is ≤ 0; raw scores or a positive mask fail the
+            # check below and take the max off in a second pass). The max is an integer max of
+            # 32-bit keys (a float max reduction did not vectorise: 0.43 ms per 1.6M scores
+            # against 0.11).
             best = np.uint32(0)
             expo = np.uint32(0)
-            nan = np.uint32(0)
             total = _Z
-            for j in range(Sk):
-                u = s[r, j]
-                expo = _math.umax32(expo, _math.bf16_exponent(u))
-                v = _math.bf16_to_f32(u) * scale
-                if has_mask:
-                    v = v + mask[mr, j]
-                v = v if j < n else _NEG_INF
-                x[j] = v
-                best = _math.umax32(best, _math.order_key(v))
-                nan = _math.umax32(nan, np.uint32(v != v))  # a NaN with its sign bit set keys below −inf
-                w = _math.exp_f32(v)
-                w = w if v > _EXP_MIN else _Z
-                e[j] = w
-                total += w
+            if causal:
+                for j in range(Sk):
+                    u = s[r, j]
+                    expo = _math.umax32(expo, _math.bf16_exponent(u))
+                    v = _math.bf16_to_f32(u) * scale
+                    if has_mask:
+                        v = v + mask[mr, j]
+                    v = v if j < n else _NEG_INF
+                    best = _math.umax32(best, _math.order_key(v))
+                    w = _math.exp_f32(v)
+                    w = w if v > _EXP_MIN else _Z
+                    e[j] = w
+                    total += w
+            else:
+                for j in range(Sk):
+                    u = s[r, j]
+                    expo = _math.umax32(expo, _math.bf16_exponent(u))
+                    v = _math.bf16_to_f32(u) * scale
+                    if has_mask:
+                        v = v + mask[mr, j]
+                    best = _math.umax32(best, _math.order_key(v))
+                    w = _math.exp_f32(v)
+                    w = w if v > _EXP_MIN else _Z
+                    e[j] = w
+                    total += w
             mx = _math.from_order_key(best)
-            if expo == _EXPO or nan or not mx < _INF:  # a NaN / ±inf score, a NaN / +inf mask entry
+            if expo == _EXPO or not mx < _INF:  # a NaN / ±inf score (an overflowed scale·s)
                 bad[r] = 1
                 continue
             if mx == _NEG_INF:  # fully masked row: 0, as ATen SDPA
                 p[r, :] = 0
                 continue
             if not (mx <= _NO_SHIFT_MAX and total >= _NO_SHIFT_SUM):
-                total = _row_exp(x, mx, e)  # a positive mask, a row masked by finite values: exp(x − max x)
+                total = _row_exp(s, r, mask, mr, has_mask, n, scale, mx, e)  # exp(x − max x)
             inv = _ONE / total
             for j in range(Sk):
                 p[r, j] = _math.f32_to_bf16(e[j] * inv)
@@ -169,8 +223,14 @@ def _softmax_rows(s, mask, mrow, has_mask, causal, scale, p, bad):
 
 _CHUNK_BYTES = 1 << 20  # one chunk's bf16 scores: ~L2 (1 MB a core on Zen 4/5); measured 4.0 vs 5.0 ms a call
                         # at 8×12×128×32 against the whole score tensor at once (7.7 vs 8.3 at 1×12×512×64)
+LANDMARKS = 16  # keys sampled for the row shift of ``sample=True`` (evenly spaced, the first included)
 _WORKSPACES = 4  # shapes kept per thread (a dynamic plan meets many; each holds ~3 score buffers)
 _local = threading.local()
+
+
+def _landmark_step(sk: int) -> int:
+    """Every how many keys one is a landmark of the sampled shift (:data:`LANDMARKS` of them)."""
+    return max(1, -(-sk // LANDMARKS))
 
 
 def _heads_per_chunk(sq: int, sk: int) -> int:
@@ -194,9 +254,14 @@ def _workspace(bh: int, sq: int, sk: int, d: int, dv: int) -> dict[str, torch.Te
     if ws is None:
         bf = torch.bfloat16
         g = min(bh, _heads_per_chunk(sq, sk))
+        nl = -(-sk // _landmark_step(sk))
         ws = cache[key] = {"q": torch.empty((bh, sq, d), dtype=bf), "k": torch.empty((bh, sk, d), dtype=bf),
                            "v": torch.empty((bh, sk, dv), dtype=bf), "s": torch.empty((g, sq, sk), dtype=bf),
-                           "shift": torch.empty(g * sq, dtype=bf)}
+                           # the shifted forms' augmented q [q | −m | 0] and k [k | 1 | 0] (K = D + 2: even,
+                           # for the bf16 pairs), and the landmark keys [k_l | 0 | 0]
+                           "qa": torch.zeros((bh, sq, d + 2), dtype=bf), "ka": torch.zeros((bh, sk, d + 2), dtype=bf),
+                           "kl": torch.zeros((bh, nl, d + 2), dtype=bf), "l": torch.empty((g, sq, nl), dtype=bf)}
+        ws["ka"][..., d] = 1.0
         while len(cache) > _WORKSPACES:
             cache.popitem(last=False)
     else:
@@ -211,8 +276,8 @@ def _bits(t: torch.Tensor) -> np.ndarray:
 def _mask_rows(mask: torch.Tensor | None, b: int, h: int, sq: int, sk: int) -> tuple[np.ndarray, np.ndarray, bool]:
     """(additive float32 mask rows [Rm, Sk], row index [B·H·Sq] int64 into them, has_mask),
     the index built in numpy (a dozen small torch ops cost ~0.2 ms a call here). A NaN or
-    +inf entry is not looked for here: the softmax pass flags its row (x is then NaN/+inf)
-    and the float32 kernel runs, which gives eager's NaNs."""
+    +inf entry is not looked for here: :func:`attention_bf16` looks once per call and runs
+    the float32 kernel, which gives eager's NaNs."""
     rows = b * h * sq
     if mask is None:
         return np.zeros((1, sk), np.float32), np.zeros(rows, np.int64), False
@@ -272,6 +337,7 @@ def attention_bf16(
     is_causal: bool,
     shift: bool = True,
     aten: bool = False,
+    sample: bool = False,
 ) -> torch.Tensor:
     """Scaled dot-product attention with bf16 GEMMs (module docstring); q [B,H,Sq,D],
     k [B,Hkv,Sk,D], v [B,Hkv,Sk,Dv] float32 (or bf16), mask None or broadcastable to
@@ -288,33 +354,54 @@ def attention_bf16(
         return _aten_sdpa_bf16(q, k, v, mask, scale, is_causal).to(q.dtype)
     if hkv != h or (is_causal and sq != sk) or not (b * h * sq * sk):
         return attention_f32(q, k, v, mask, scale, is_causal)
-    rows = _mask_rows(mask, b, h, sq, sk)
+    maskf, mrow, has_mask = _mask_rows(mask, b, h, sq, sk)
+    if has_mask and not (maskf < _INF).all():  # a NaN / +inf mask entry: eager's NaNs from the float32 kernel
+        return attention_f32(q, k, v, mask, scale, is_causal)
     ws = _workspace(b * h, sq, sk, d, dv)
-    qb = ws["q"]
-    qb.view(b, h, sq, d).copy_(q.detach())
-    kt = ws["k"]
-    kt.view(b, h, sk, d).copy_(k.detach())
-    kt = kt.transpose(1, 2)
+    causal = sq if is_causal else 0
+    buf = ws["s"]
+    g = buf.shape[0]
+    if shift:  # q·kᵀ − m as one GEMM over K = D + 2: [q | −m | 0]·[k | 1 | 0]ᵀ, the shift in the f32 accumulator
+        qa, ka = ws["qa"], ws["ka"]
+        qa.view(b, h, sq, d + 2)[..., :d].copy_(q.detach())
+        ka.view(b, h, sk, d + 2)[..., :d].copy_(k.detach())
+        qs, ks = qa, ka.transpose(1, 2)
+        mbits = _bits(qa).reshape(b * h * sq, d + 2)[:, d]  # the shift column, written by the row max
+        if sample:
+            step = _landmark_step(sk)
+            kl = ws["kl"]
+            kl[..., :d].copy_(ka[:, ::step, :d])
+            kl = kl.transpose(1, 2)
+            lbits = _bits(ws["l"]).reshape(g * sq, -1)
+            landmark_max = launch(_landmark_max, g * sq * kl.shape[-1])
+            keep = maskf[:, ::step] > _KEEP if has_mask else np.ones((1, kl.shape[-1]), np.bool_)
+            ml = np.where(keep, np.float32(0), _NEG_INF).astype(np.float32)
+        else:
+            row_max = launch(_row_max, g * sq * sk)
+    else:
+        qs = ws["q"]
+        qs.view(b, h, sq, d).copy_(q.detach())
+        ks = ws["k"]
+        ks.view(b, h, sk, d).copy_(k.detach())
+        ks = ks.transpose(1, 2)
     vb = ws["v"]
     vb.view(b, h, sk, dv).copy_(v.detach())
-    maskf, mrow, has_mask = rows
-    causal = sq if is_causal else 0
-    buf, m = ws["s"], ws["shift"]
-    g = buf.shape[0]
     out = torch.empty((b * h, sq, dv), dtype=torch.bfloat16)
     bad = np.zeros(b * h * sq, np.uint8)
-    sbits, mbits = _bits(buf).reshape(-1, sk), _bits(m)
-    row_max, softmax = launch(_row_max, g * sq * sk), launch(_softmax_rows, g * sq * sk)
+    sbits = _bits(buf).reshape(-1, sk)
+    softmax = launch(_softmax_rows, g * sq * sk)
     for i in range(0, b * h, g):  # a chunk of heads at a time: its scores stay in L2 (module docstring)
         j = min(b * h, i + g)
         n, rows_ij = j - i, slice(i * sq, j * sq)
         s = buf[:n]
-        if shift:
-            torch.bmm(qb[i:j], kt[i:j], out=s)  # S₁ [n, Sq, Sk] bf16
-            row_max(sbits[: n * sq], maskf, mrow[rows_ij], has_mask, causal, mbits[: n * sq])
-            torch.baddbmm(m[: n * sq].view(n, sq, 1).expand(n, sq, sk), qb[i:j], kt[i:j], out=s)  # q·kᵀ − m, one rounding
-        else:  # the raw scores rounded (error |s|·2⁻⁹): for layers whose scores are small (precision decides)
-            torch.bmm(qb[i:j], kt[i:j], out=s)
+        if shift and sample:  # m from the landmark keys' scores: one small GEMM
+            torch.bmm(qs[i:j], kl[i:j], out=ws["l"][:n])
+            landmark_max(lbits[: n * sq], ml, mrow[rows_ij], causal, step, mbits[rows_ij])
+        elif shift:  # m from S₁ = q·kᵀ (the shift column zero first)
+            qa[i:j, :, d] = 0
+            torch.bmm(qs[i:j], ks[i:j], out=s)
+            row_max(sbits[: n * sq], maskf, mrow[rows_ij], has_mask, causal, mbits[rows_ij])
+        torch.bmm(qs[i:j], ks[i:j], out=s)  # S [n, Sq, Sk] bf16: shifted, or the raw scores rounded
         softmax(sbits[: n * sq], maskf, mrow[rows_ij], has_mask, causal, np.float32(scale), sbits[: n * sq],
                 bad[rows_ij])  # P in place of S: a row is read whole before it is written
         if bad[rows_ij].any():
