@@ -9,6 +9,8 @@ checked against the float32 plan and regions are put back to float32 until it pa
       └─ regions, all decided on the float32 graph:
            a plain GEMM (aten.linear / oneDNN linear without post-op / Wᵀ matmul), with
              the aten.gelu that is its only user (erf or tanh) as oneDNN's GELU post-op;
+             a float32 oneDNN linear with the GELU post-op (the GEMM backend's form of a
+             fused bias+GELU) keeps that post-op;
            an opfuse op with GEMMs inside (FUSED_WEIGHTS: linear+add+LayerNorm, FFN,
              bias+GELU, SwiGLU, GeGLU, linear+residual) on bf16 copies of its weights,
              its epilogue kernel unchanged (float32);
@@ -491,6 +493,18 @@ def _fused_op(node: fx.Node) -> str | None:
     return name if name in FUSED_WEIGHTS else None
 
 
+def _onednn_post(node: fx.Node) -> tuple[str, str] | None:
+    """A float32 plan's ``mkldnn._linear_pointwise(x, W, b, attr, scalars, algorithm)``
+    node's (post-op, algorithm) where its bf16 region can take it over: ("none", "") or
+    ("gelu", erf "none" / "tanh"); None for any other post-op."""
+    if len(node.args) < 4 or node.args[3] not in ("none", "gelu"):
+        return None
+    if node.args[3] == "none":
+        return "none", ""
+    algorithm = node.args[5] if len(node.args) > 5 else ""
+    return ("gelu", algorithm) if algorithm in GELU_POST_OPS else None
+
+
 def _sites(gm: fx.GraphModule) -> list[fx.Node]:
     """The GEMM nodes ``precision`` decides on: plain GEMMs (``aten.linear``, oneDNN linear
     without post-op, :func:`opfuse.gemm.direct_wt_matmuls`' ``matmul``, ``opfuse.linear_gemv``,
@@ -505,7 +519,7 @@ def _sites(gm: fx.GraphModule) -> list[fx.Node]:
             continue
         if n.target in (aten.linear.default, torch.ops.opfuse.linear_gemv.default,
                         torch.ops.opfuse.linear_blas.default) or (
-                n.target is torch.ops.mkldnn._linear_pointwise.default and len(n.args) > 3 and n.args[3] == "none"):
+                n.target is torch.ops.mkldnn._linear_pointwise.default and _onednn_post(n) is not None):
             out.append(n)
         elif n.target is aten.matmul.default and is_wt_copy(n.args[1]):
             out.append(n)
@@ -636,6 +650,11 @@ def _region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict,
                       " GEMMs, float32 epilogue", fused)
     if m <= COLD_ROWS:
         return _gemv_region(gm, node, env, converted, x, m)
+    if node.target is torch.ops.mkldnn._linear_pointwise.default and _onednn_post(node)[0] == "gelu":
+        # the float32 plan's oneDNN GEMM with its GELU post-op (the GEMM backend chose oneDNN
+        # for a linear_bias_gelu): the same post-op on the bf16 inner product
+        return _gemm_region(gm, node, env, converted, x, m, [node], node.args[2], *_onednn_post(node),
+                            "gemm+bias+gelu" if node.args[2] is not None else "gemm+gelu")
     nodes = _tail(node, env)
     b_arg = node.args[2] if len(node.args) > 2 and node.target is not aten.matmul.default else None
     if len(nodes) > 1 and nodes[1].target is aten.add.Tensor:
