@@ -278,7 +278,8 @@ def test_gelu_epilogue_is_a_post_op_and_the_bf16_result_feeds_the_next_gemm(monk
 def test_fused_ops_take_bf16_weights_and_go_back_whole(monkeypatch):
     """An encoder plan with fused regions (θ-selected: linear+add+LayerNorm, FFN, …): those
     ops are precision sites too; in bf16 they read prepacked bf16 copies of their weights
-    (their epilogues stay float32); put back, they read the float32 weights again."""
+    (their epilogues stay float32) — linear+add+LayerNorm becomes the bf16 GEMM and the bf16
+    SkipLayerNorm —; put back, they read the float32 weights again."""
     loaded, fused, gm = _plan("bert-tiny", batch=2, seq=9)
     kinds = {P._fused_op(n) for n in P._sites(gm)} - {None}
     assert {"ffn", "linear_add_layernorm"} <= kinds
@@ -289,7 +290,13 @@ def test_fused_ops_take_bf16_weights_and_go_back_whole(monkeypatch):
     weights = [attrgetter(ffn.args[i].target)(gm) for i in P.FUSED_WEIGHTS["ffn"]]
     assert all(w.is_mkldnn and w.dtype == torch.bfloat16 for w in weights)
     assert {g["node"] for g in info["gemms"] if g["precision"] == "bf16"} >= {ffn.name}
-    assert {g["region"] for g in info["gemms"]} >= {"ffn", "linear_add_layernorm"}
+    assert {g["region"] for g in info["gemms"]} >= {"ffn", "linear_add_layernorm as gemm+add_layernorm"}
+    # linear+add+LayerNorm in bf16 is the bf16 GEMM + SkipLayerNorm on its bf16 result, not the fused op
+    assert not [n for n in gm.graph.nodes if P._fused_op(n) == "linear_add_layernorm"]
+    skip = [n for n in gm.graph.nodes if n.target in (torch.ops.opfuse.add_layernorm_bf16.default,
+                                                      torch.ops.opfuse.add_layernorm_bf16_.default)]
+    assert len(skip) == sum(g["region"] == "linear_add_layernorm as gemm+add_layernorm" for g in info["gemms"]) > 0
+    assert all(n.args[0].target is torch.ops.mkldnn._linear_pointwise.default for n in skip)
     assert P.end_to_end(P._outputs(gm, loaded.args, loaded.kwargs), ref) == pytest.approx(info["end_to_end"])
     assert info["end_to_end"]["min_cosine"] >= P.COSINE_MIN
     _, _, gm2 = _plan("bert-tiny", batch=2, seq=9)
