@@ -625,7 +625,7 @@ def _region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict,
         # region): the bf16 result then feeds the next GEMM without a float32 round trip
         return _gemm_region(gm, node, env, converted, x, m, [node], node.args[2], "gelu",
                             GELU_POST_OPS[node.args[3]], "linear_bias_gelu as gemm+gelu")
-    if fused == "linear_add_layernorm" and m > COLD_ROWS:
+    if fused in ("linear_add_layernorm", "linear_residual") and m > COLD_ROWS:
         region = _skip_layernorm_region(gm, node, env, converted, x, m, values)
         if region is not None:
             return region
@@ -839,22 +839,27 @@ def _gemm_region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict, 
 
 def _skip_layernorm_region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict, x: torch.Tensor,
                            m: int, values: list) -> Region | None:
-    """A float32 plan's ``opfuse.linear_add_layernorm(x, W, b, r, w, β, eps)`` (x [..., K],
-    W [N, K], b [N] or None, r [..., N] float32) as the bf16 plan's GEMM + SkipLayerNorm:
-    ``x → bf16 → _linear_pointwise(prepacked bf16 W, b)`` (bf16 [..., N]) ``→ float32 →
-    opfuse.add_layernorm(·, r, w, β, eps)``, which :func:`fuse_add_layernorm_bf16` then turns
-    into ``opfuse.add_layernorm_bf16`` on the GEMM's bf16 result (the form measured and
-    checked here): no float32 copy of the GEMM's output, and its bf16 output feeds the next
-    GEMM. The fused op on a bf16 weight instead casts x, and its result, per call (BERT-base
-    1×128 on the AMX Xeon: 946 µs a call, 24 a forward). None where an argument is not a
-    recorded float32 tensor of those shapes (the generic fused-op region then applies)."""
-    w_arg, eps = node.args[1], node.args[6]
-    _, _, b, r, lw, lb, _ = values
+    """A float32 plan's ``opfuse.linear_add_layernorm(x, W, b, r, w, β, eps)`` or
+    ``opfuse.linear_residual(x, W, b, r)`` (x [..., K], W [N, K], b [N] or None, r [..., N]
+    float32) as the bf16 GEMM it holds and its epilogue as plain ops:
+    ``x → bf16 → _linear_pointwise(prepacked bf16 W, b)`` (bf16 [..., N]) ``→ float32 →``
+    ``opfuse.add_layernorm(·, r, w, β, eps)`` / ``+ r``. :func:`fuse_add_layernorm_bf16` then
+    turns that SkipLayerNorm (for linear_residual: the ``layer_norm`` after its add, where
+    there is one) into ``opfuse.add_layernorm_bf16`` on the GEMM's bf16 result: no float32
+    copy of the GEMM's output, and its bf16 output feeds the next GEMM. The fused op on a bf16
+    weight instead casts x, and its result, per call (BERT-base 1×128 on the AMX Xeon: 946 µs
+    a call, 24 a forward). The measured and checked bf16 form is the one the plan runs (with
+    add_layernorm_bf16 for linear_add_layernorm). None where an argument is not a recorded
+    float32 tensor of those shapes (the generic fused-op region then applies)."""
+    norm = len(node.args) == 7  # linear_add_layernorm; else linear_residual (4 arguments)
+    w_arg = node.args[1]
+    b, r = values[2], values[3]
+    lw, lb, eps = values[4:7] if norm else (None, None, None)
     out = env.get(node)
-    if not (isinstance(r, torch.Tensor) and isinstance(out, torch.Tensor) and isinstance(lw, torch.Tensor)
-            and r.dtype == torch.float32 and tuple(r.shape) == tuple(out.shape)
+    if not (isinstance(r, torch.Tensor) and isinstance(out, torch.Tensor) and r.dtype == torch.float32
+            and tuple(r.shape) == tuple(out.shape)
             and (b is None or (isinstance(b, torch.Tensor) and b.dim() == 1 and b.dtype == torch.float32))
-            and (lb is None or isinstance(lb, torch.Tensor))):
+            and (not norm or (isinstance(lw, torch.Tensor) and (lb is None or isinstance(lb, torch.Tensor))))):
         return None
     made = _bf16_weight(gm, converted, w_arg, m)
     if made is None:
@@ -865,11 +870,11 @@ def _skip_layernorm_region(gm: fx.GraphModule, node: fx.Node, env: dict, convert
 
     def bf16():
         yb = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), wb, b, "none", [], "")
-        return torch.ops.opfuse.add_layernorm_bf16(yb, r, lw, lb, eps)[0]
+        return torch.ops.opfuse.add_layernorm_bf16(yb, r, lw, lb, eps)[0] if norm else yb.float() + r
 
     def lower():  # the arguments as they are now: regions lowered before may have rerouted them
         g = gm.graph
-        _, _, b_arg, r_arg, lw_arg, lb_arg, _ = node.args
+        b_arg, r_arg = node.args[2], node.args[3]
         with g.inserting_after(node):
             xb = g.call_function(aten._to_copy.default, (node.args[0],), {"dtype": torch.bfloat16})
         with g.inserting_after(xb):
@@ -877,12 +882,13 @@ def _skip_layernorm_region(gm: fx.GraphModule, node: fx.Node, env: dict, convert
         with g.inserting_after(yb):
             y = g.call_function(aten._to_copy.default, (yb,), {"dtype": torch.float32})
         with g.inserting_after(y):
-            ln = g.call_function(torch.ops.opfuse.add_layernorm.default, (y, r_arg, lw_arg, lb_arg, eps))
+            last = g.call_function(torch.ops.opfuse.add_layernorm.default, (y, r_arg, *node.args[4:7])) if norm \
+                else g.call_function(aten.add.Tensor, (y, r_arg))
         for c in (xb, yb, y):
             c.meta["opfuse_precision"] = "bf16"
-        y.meta["val"] = ln.meta["val"] = node.meta.get("val")
-        chain[:] = [xb, yb, y, ln]
-        node.replace_all_uses_with(ln, delete_user_cb=lambda u: u not in chain)
+        y.meta["val"] = last.meta["val"] = node.meta.get("val")
+        chain[:] = [xb, yb, y, last]
+        node.replace_all_uses_with(last, delete_user_cb=lambda u: u not in chain)
 
     def restore():
         chain[-1].replace_all_uses_with(node)
@@ -893,9 +899,11 @@ def _skip_layernorm_region(gm: fx.GraphModule, node: fx.Node, env: dict, convert
     def finish():
         if not node.users:
             gm.graph.erase_node(node)
+    what = "add_layernorm_bf16" if norm else "residual add"
     return Region(node, m, k, n_out, lambda: node.target(*values), bf16, out, lower, restore, finish,
-                  f"bf16 packed GEMM + add_layernorm_bf16 vs {node.target}({m}x{k}, {n_out}x{k}, bias={b is not None})",
-                  ", SkipLayerNorm on its bf16 result", "linear_add_layernorm as gemm+add_layernorm")
+                  f"bf16 packed GEMM + {what} vs {node.target}({m}x{k}, {n_out}x{k}, bias={b is not None})",
+                  ", SkipLayerNorm on its bf16 result" if norm else ", float32 residual add",
+                  "linear_add_layernorm as gemm+add_layernorm" if norm else "linear_residual as gemm+add")
 
 
 def _gemv_region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict, x: torch.Tensor,

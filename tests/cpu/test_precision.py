@@ -480,6 +480,48 @@ def test_a_float32_onednn_gemm_with_its_gelu_post_op_goes_bf16_with_it():
     assert float((got - eager).abs().max()) < 5e-2
 
 
+class _ResidualThenSkipLayerNorm(torch.nn.Module):
+    """r = a(h) + x (an output projection + residual: linear_residual), LN(b(r) + r)
+    (linear_add_layernorm); returns both."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.ln = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.LayerNorm(64)
+
+    def forward(self, h, x):
+        r = self.a(h) + x
+        return self.ln(self.b(r) + r), r
+
+
+@needs_onednn_bf16
+def test_fused_residual_epilogues_become_bf16_gemms_with_plain_epilogues():
+    """On the prepacked backend the float32 plan holds opfuse.linear_residual and
+    opfuse.linear_add_layernorm; in bf16 each is the oneDNN bf16 GEMM with its epilogue as
+    plain ops (a float32 residual add; the bf16 SkipLayerNorm on the GEMM's bf16 result),
+    no fused op left; outputs within bf16 bounds of float64."""
+    torch.manual_seed(0)
+    model = _ResidualThenSkipLayerNorm().eval()
+    h, x = torch.randn(4, 16, 64), torch.randn(4, 16, 64)
+    fused = opfuse.optimize(model, (h, x), decide="rho", gemm="packed")
+    gm = next(iter(fused._plans.values())).gm
+    assert sorted(P._fused_op(n) for n in P._sites(gm)) == ["linear_add_layernorm", "linear_residual"]
+    info = P.apply_precision(gm, (h, x), {}, "bf16", timer=FASTER)
+    assert sorted((g["region"], g["precision"]) for g in info["gemms"]) == [
+        ("linear_add_layernorm as gemm+add_layernorm", "bf16"), ("linear_residual as gemm+add", "bf16")]
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert not [n for n in gm.graph.nodes if P._fused_op(n)]
+    assert targets.count(torch.ops.mkldnn._linear_pointwise.default) == 2
+    assert targets.count(torch.ops.opfuse.add_layernorm_bf16.default) == 1 and torch.ops.aten.add.Tensor in targets
+    gm.recompile()
+    with torch.no_grad():
+        y, r = gm(h, x)
+        m64 = _ResidualThenSkipLayerNorm().double()
+        m64.load_state_dict(model.state_dict())
+        y64, r64 = m64(h.double(), x.double())
+    assert float((r.double() - r64).abs().max()) <= 2.0**-7 * float(r64.abs().max())
+    assert float((y.double() - y64).abs().max()) <= 3e-2
+
+
 @needs_onednn_bf16
 def test_a_close_timing_is_not_cached(monkeypatch, tmp_path):
     """Only a clear timing (bf16 and float32 ≥ CACHE_CLEAR apart) goes to the cache; a close
