@@ -625,6 +625,10 @@ def _region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict,
         # region): the bf16 result then feeds the next GEMM without a float32 round trip
         return _gemm_region(gm, node, env, converted, x, m, [node], node.args[2], "gelu",
                             GELU_POST_OPS[node.args[3]], "linear_bias_gelu as gemm+gelu")
+    if fused == "ffn" and m > COLD_ROWS and node.args[5] in GELU_POST_OPS:
+        region = _ffn_region(gm, node, env, converted, x, m, values)
+        if region is not None:
+            return region
     if fused in ("linear_add_layernorm", "linear_residual") and m > COLD_ROWS:
         region = _skip_layernorm_region(gm, node, env, converted, x, m, values)
         if region is not None:
@@ -904,6 +908,63 @@ def _skip_layernorm_region(gm: fx.GraphModule, node: fx.Node, env: dict, convert
                   f"bf16 packed GEMM + {what} vs {node.target}({m}x{k}, {n_out}x{k}, bias={b is not None})",
                   ", SkipLayerNorm on its bf16 result" if norm else ", float32 residual add",
                   "linear_add_layernorm as gemm+add_layernorm" if norm else "linear_residual as gemm+add")
+
+
+def _ffn_region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict, x: torch.Tensor,
+                m: int, values: list) -> Region | None:
+    """A float32 plan's ``opfuse.ffn(x, W1, b1, W2, b2, approximate, block_rows)`` (x [..., K],
+    W1 [H, K], b1 [H], W2 [N, H], b2 [N]) as two oneDNN bf16 GEMMs on prepacked bf16 weights:
+    ``x → bf16 → _linear_pointwise(W1, b1, GELU post-op) → _linear_pointwise(W2, b2) →
+    float32``; the hidden [M, H] activation stays bf16 between them (rounded once, after
+    the GELU on the float32 accumulator). The fused op on bf16 weights instead casts x, each
+    block's hidden rows and its result per call. None where a bias is not a float32 [H] / [N]
+    tensor (the generic fused-op region then applies)."""
+    b1, b2, approximate = values[2], values[4], values[5]
+    out = env.get(node)
+    if not (isinstance(out, torch.Tensor) and all(
+            v is None or (isinstance(v, torch.Tensor) and v.dim() == 1 and v.dtype == torch.float32) for v in (b1, b2))):
+        return None
+    made1, made2 = _bf16_weight(gm, converted, node.args[1], m), _bf16_weight(gm, converted, node.args[3], m)
+    if made1 is None or made2 is None:
+        return None
+    (w1b, attr1), (w2b, attr2) = made1, made2
+    algorithm = GELU_POST_OPS[approximate]
+    chain: list[fx.Node] = []
+
+    def bf16():
+        hb = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), w1b, b1, "gelu", [], algorithm)
+        return torch.ops.mkldnn._linear_pointwise(hb, w2b, b2, "none", [], "").float()
+
+    def lower():  # the arguments as they are now: regions lowered before may have rerouted them
+        g = gm.graph
+        with g.inserting_after(node):
+            xb = g.call_function(aten._to_copy.default, (node.args[0],), {"dtype": torch.bfloat16})
+        with g.inserting_after(xb):
+            hb = g.call_function(torch.ops.mkldnn._linear_pointwise.default,
+                                 (xb, attr1(), node.args[2], "gelu", [], algorithm))
+        with g.inserting_after(hb):
+            yb = g.call_function(torch.ops.mkldnn._linear_pointwise.default, (hb, attr2(), node.args[4], "none", [], ""))
+        with g.inserting_after(yb):
+            y = g.call_function(aten._to_copy.default, (yb,), {"dtype": torch.float32})
+        chain[:] = [xb, hb, yb, y]
+        for c in chain:
+            c.meta["opfuse_precision"] = "bf16"
+        y.meta["val"] = node.meta.get("val")
+        node.replace_all_uses_with(y, delete_user_cb=lambda u: u not in chain)
+
+    def restore():
+        chain[-1].replace_all_uses_with(node)
+        for c in reversed(chain):
+            gm.graph.erase_node(c)
+        chain.clear()
+
+    def finish():
+        if not node.users:
+            gm.graph.erase_node(node)
+    hidden, k = w1b.shape
+    return Region(node, m, k, hidden, lambda: node.target(*values), bf16, out, lower, restore, finish,
+                  f"bf16 packed GEMM+GELU({algorithm}) + GEMM vs {node.target}({m}x{k}, {hidden}x{k}, "
+                  f"{w2b.shape[0]}x{hidden})", ", two GEMMs, GELU post-op, bf16 hidden", "ffn as gemm+gelu, gemm")
 
 
 def _gemv_region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict, x: torch.Tensor,

@@ -285,17 +285,24 @@ def test_fused_ops_take_bf16_weights_and_go_back_whole(monkeypatch):
     assert {"ffn", "linear_add_layernorm"} <= kinds
     ref = P._outputs(gm, loaded.args, loaded.kwargs)  # hidden states and pooled output
     info = P.apply_precision(gm, loaded.args, loaded.kwargs, "bf16", timer=FASTER)
-    ffn = next(n for n in gm.graph.nodes if P._fused_op(n) == "ffn")
     from operator import attrgetter
-    weights = [attrgetter(ffn.args[i].target)(gm) for i in P.FUSED_WEIGHTS["ffn"]]
-    assert all(w.is_mkldnn and w.dtype == torch.bfloat16 for w in weights)
-    assert {g["node"] for g in info["gemms"] if g["precision"] == "bf16"} >= {ffn.name}
-    assert {g["region"] for g in info["gemms"]} >= {"ffn", "linear_add_layernorm as gemm+add_layernorm"}
-    # linear+add+LayerNorm in bf16 is the bf16 GEMM + SkipLayerNorm on its bf16 result, not the fused op
-    assert not [n for n in gm.graph.nodes if P._fused_op(n) == "linear_add_layernorm"]
+    assert {g["region"] for g in info["gemms"]} >= {"ffn as gemm+gelu, gemm", "linear_add_layernorm as gemm+add_layernorm"}
+    assert all(g["precision"] == "bf16" for g in info["gemms"] if g["region"].startswith("ffn"))
+    # in bf16 the FFN is two oneDNN GEMMs on prepacked bf16 weights, the GELU the first one's
+    # post-op and the hidden activation bf16 between them; linear+add+LayerNorm is the bf16 GEMM
+    # + SkipLayerNorm on its bf16 result: no fused op left
+    assert not [n for n in gm.graph.nodes if P._fused_op(n) in ("ffn", "linear_add_layernorm")]
+    ups = [n for n in gm.graph.nodes if n.target is torch.ops.mkldnn._linear_pointwise.default and n.args[3] == "gelu"]
+    downs = [u for n in ups for u in n.users if u.target is torch.ops.mkldnn._linear_pointwise.default]
+    assert len(ups) == len(downs) == sum(g["region"].startswith("ffn") for g in info["gemms"]) > 0
+    for n in ups + downs:
+        w = attrgetter(n.args[1].target)(gm)
+        assert w.is_mkldnn and w.dtype == torch.bfloat16
     skip = [n for n in gm.graph.nodes if n.target in (torch.ops.opfuse.add_layernorm_bf16.default,
                                                       torch.ops.opfuse.add_layernorm_bf16_.default)]
-    assert len(skip) == sum(g["region"] == "linear_add_layernorm as gemm+add_layernorm" for g in info["gemms"]) > 0
+    # one per linear+add+LayerNorm and one after each FFN (BERT: LayerNorm(FFN(x) + x))
+    assert len(skip) == sum(g["region"] in ("linear_add_layernorm as gemm+add_layernorm", "ffn as gemm+gelu, gemm")
+                            for g in info["gemms"]) == 4
     assert all(n.args[0].target is torch.ops.mkldnn._linear_pointwise.default for n in skip)
     assert P.end_to_end(P._outputs(gm, loaded.args, loaded.kwargs), ref) == pytest.approx(info["end_to_end"])
     assert info["end_to_end"]["min_cosine"] >= P.COSINE_MIN
@@ -520,6 +527,31 @@ def test_fused_residual_epilogues_become_bf16_gemms_with_plain_epilogues():
         y64, r64 = m64(h.double(), x.double())
     assert float((r.double() - r64).abs().max()) <= 2.0**-7 * float(r64.abs().max())
     assert float((y.double() - y64).abs().max()) <= 3e-2
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_a_fused_ffn_becomes_two_bf16_gemms_within_bounds_of_float64(approximate):
+    """opfuse.ffn (Linear → GELU → Linear) in bf16: two oneDNN GEMMs, the GELU (erf or tanh)
+    the first one's post-op, the hidden activation bf16; values against float64."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(approximate=approximate),
+                                torch.nn.Linear(256, 64)).eval()
+    x = torch.randn(4, 16, 64)
+    fused = opfuse.optimize(model, (x,), decide="rho", gemm="packed")
+    gm = next(iter(fused._plans.values())).gm
+    if "ffn" not in [P._fused_op(n) for n in P._sites(gm)]:
+        pytest.skip("this plan did not fuse the FFN")
+    info = P.apply_precision(gm, (x,), {}, "bf16", timer=FASTER)
+    assert [(g["region"], g["precision"]) for g in info["gemms"]] == [("ffn as gemm+gelu, gemm", "bf16")]
+    posts = [n.args[3:6:2] for n in gm.graph.nodes if n.target is torch.ops.mkldnn._linear_pointwise.default]
+    assert posts == [("gelu", approximate), ("none", "")]
+    gm.recompile()
+    with torch.no_grad():
+        y = gm(x)
+        y = y[0] if isinstance(y, (tuple, list)) else y
+        y64 = model.double()(x.double())
+    assert float((y.double() - y64).abs().max()) <= 2.0**-6 * float(y64.abs().max())
 
 
 @needs_onednn_bf16
