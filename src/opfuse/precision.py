@@ -841,6 +841,22 @@ def _gemm_region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict, 
                   (" + bias" if "+bias" in kind else "") + (" + GELU post-op" if post != "none" else ""), kind)
 
 
+def _replaced_node_hooks(gm: fx.GraphModule, node: fx.Node, chain: list[fx.Node]) -> tuple[Callable, Callable]:
+    """(restore, finish) of a region whose ``lower`` routes ``node``'s users to ``chain[-1]``
+    (the inserted bf16 nodes ``chain``): restore routes them back to ``node`` and erases the
+    chain; finish erases ``node`` once nothing reads it."""
+    def restore():
+        chain[-1].replace_all_uses_with(node)
+        for c in reversed(chain):
+            gm.graph.erase_node(c)
+        chain.clear()
+
+    def finish():
+        if not node.users:
+            gm.graph.erase_node(node)
+    return restore, finish
+
+
 def _skip_layernorm_region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict, x: torch.Tensor,
                            m: int, values: list) -> Region | None:
     """A float32 plan's ``opfuse.linear_add_layernorm(x, W, b, r, w, β, eps)`` or
@@ -894,15 +910,7 @@ def _skip_layernorm_region(gm: fx.GraphModule, node: fx.Node, env: dict, convert
         chain[:] = [xb, yb, y, last]
         node.replace_all_uses_with(last, delete_user_cb=lambda u: u not in chain)
 
-    def restore():
-        chain[-1].replace_all_uses_with(node)
-        for c in reversed(chain):
-            gm.graph.erase_node(c)
-        chain.clear()
-
-    def finish():
-        if not node.users:
-            gm.graph.erase_node(node)
+    restore, finish = _replaced_node_hooks(gm, node, chain)
     what = "add_layernorm_bf16" if norm else "residual add"
     return Region(node, m, k, n_out, lambda: node.target(*values), bf16, out, lower, restore, finish,
                   f"bf16 packed GEMM + {what} vs {node.target}({m}x{k}, {n_out}x{k}, bias={b is not None})",
@@ -952,15 +960,7 @@ def _ffn_region(gm: fx.GraphModule, node: fx.Node, env: dict, converted: dict, x
         y.meta["val"] = node.meta.get("val")
         node.replace_all_uses_with(y, delete_user_cb=lambda u: u not in chain)
 
-    def restore():
-        chain[-1].replace_all_uses_with(node)
-        for c in reversed(chain):
-            gm.graph.erase_node(c)
-        chain.clear()
-
-    def finish():
-        if not node.users:
-            gm.graph.erase_node(node)
+    restore, finish = _replaced_node_hooks(gm, node, chain)
     hidden, k = w1b.shape
     return Region(node, m, k, hidden, lambda: node.target(*values), bf16, out, lower, restore, finish,
                   f"bf16 packed GEMM+GELU({algorithm}) + GEMM vs {node.target}({m}x{k}, {hidden}x{k}, "
