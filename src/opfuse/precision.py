@@ -11,9 +11,12 @@ checked against the float32 plan and regions are put back to float32 until it pa
              the aten.gelu that is its only user (erf or tanh) as oneDNN's GELU post-op;
              a float32 oneDNN linear with the GELU post-op (the GEMM backend's form of a
              fused bias+GELU) keeps that post-op;
-           an opfuse op with GEMMs inside (FUSED_WEIGHTS: linear+add+LayerNorm, FFN,
-             bias+GELU, SwiGLU, GeGLU, linear+residual) on bf16 copies of its weights,
-             its epilogue kernel unchanged (float32);
+           an opfuse op with GEMMs inside (FUSED_WEIGHTS): bias+GELU as the bf16 GEMM with
+             the GELU post-op; FFN as two bf16 GEMMs (GELU post-op, bf16 hidden);
+             linear+add+LayerNorm / linear+residual as the bf16 GEMM and their epilogue
+             as plain ops (the SkipLayerNorm then becomes add_layernorm_bf16); the others
+             (SwiGLU, GeGLU, linear+add+LayerNorm with its sum) on bf16 copies of their
+             weights, their epilogue kernels unchanged (float32);
            at ≤ COLD_ROWS rows (a decode step) a plain GEMM and its bias as one
              opfuse.linear_bf16 GEMV on a dense bf16 weight (float32 x and sums: only W
              rounded), timed with the weight cold and the code warm (_measure)
@@ -507,7 +510,7 @@ def _onednn_post(node: fx.Node) -> tuple[str, str] | None:
 
 def _sites(gm: fx.GraphModule) -> list[fx.Node]:
     """The GEMM nodes ``precision`` decides on: plain GEMMs (``aten.linear``, oneDNN linear
-    without post-op, :func:`opfuse.gemm.direct_wt_matmuls`' ``matmul``, ``opfuse.linear_gemv``,
+    without post-op or with the GELU one (:func:`_onednn_post`), :func:`opfuse.gemm.direct_wt_matmuls`' ``matmul``, ``opfuse.linear_gemv``,
     ``opfuse.linear_blas``)
     and the opfuse ops of :data:`FUSED_WEIGHTS`."""
     out = []
@@ -893,22 +896,14 @@ def _skip_layernorm_region(gm: fx.GraphModule, node: fx.Node, env: dict, convert
         return torch.ops.opfuse.add_layernorm_bf16(yb, r, lw, lb, eps)[0] if norm else yb.float() + r
 
     def lower():  # the arguments as they are now: regions lowered before may have rerouted them
-        g = gm.graph
-        b_arg, r_arg = node.args[2], node.args[3]
-        with g.inserting_after(node):
-            xb = g.call_function(aten._to_copy.default, (node.args[0],), {"dtype": torch.bfloat16})
-        with g.inserting_after(xb):
-            yb = g.call_function(torch.ops.mkldnn._linear_pointwise.default, (xb, attr(), b_arg, "none", [], ""))
-        with g.inserting_after(yb):
-            y = g.call_function(aten._to_copy.default, (yb,), {"dtype": torch.float32})
+        chain[:] = _lower(gm, [node], attr(), node.args[2])  # x → bf16 → GEMM → float32 = y, node's users on y
+        y, g = chain[-1], gm.graph
         with g.inserting_after(y):
-            last = g.call_function(torch.ops.opfuse.add_layernorm.default, (y, r_arg, *node.args[4:7])) if norm \
-                else g.call_function(aten.add.Tensor, (y, r_arg))
-        for c in (xb, yb, y):
-            c.meta["opfuse_precision"] = "bf16"
-        y.meta["val"] = last.meta["val"] = node.meta.get("val")
-        chain[:] = [xb, yb, y, last]
-        node.replace_all_uses_with(last, delete_user_cb=lambda u: u not in chain)
+            last = g.call_function(torch.ops.opfuse.add_layernorm.default, (y, node.args[3], *node.args[4:7])) \
+                if norm else g.call_function(aten.add.Tensor, (y, node.args[3]))
+        last.meta["val"] = node.meta.get("val")
+        y.replace_all_uses_with(last, delete_user_cb=lambda u: u is not last)
+        chain.append(last)
 
     restore, finish = _replaced_node_hooks(gm, node, chain)
     what = "add_layernorm_bf16" if norm else "residual add"
