@@ -78,6 +78,7 @@ def merged_report(model, args, kwargs, pieces: list[CompiledGraph], reason: str,
             report.graph_flops += sub.graph_flops
             report.gemm += sub.gemm
             report.inplace_writes += sub.inplace_writes
+            report.rope_cache_writes += sub.rope_cache_writes
             for stage, seconds in sub.timings_s.items():
                 report.timings_s[stage] = report.timings_s.get(stage, 0.0) + seconds
     report.capture = {"mode": "pieces", "reason": reason, "pieces": len(pieces), "unfused": unfused}

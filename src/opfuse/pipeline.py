@@ -25,7 +25,8 @@ from .patterns import LIBRARY, SPELLINGS, Pattern, find_matches
 from .report.data import FusionReport, RegionRecord
 from .report.graph import graph_summary
 from .precision import apply_precision
-from .rewrite import bind_op_builtins, dedupe_pure_ops, inplace_cache_writes, respell, rewrite, shared_bool_masks
+from .rewrite import (bind_op_builtins, dedupe_pure_ops, inplace_cache_writes, respell, rewrite, rope_cache_writes,
+                      shared_bool_masks)
 from .timegate import check_mode as check_decide
 from .timegate import decide_by_time
 from .verify import model_error, record_values, verify_regions
@@ -249,6 +250,7 @@ def _plan_captured(gm, spec, model, args, kwargs, lap, timings, *, theta, device
                                also=[(a, k) for _s, a, k in samples]); lap("precision")
         direct_wt_matmuls(gm);                                      lap("wt matmuls")
         in_place = inplace_cache_writes(gm);                        lap("in place")
+        rope_writes = rope_cache_writes(gm);                        lap("rope+cache")
         deduped = dedupe_pure_ops(gm);                              lap("dedupe")
         bind_op_builtins(gm);                                       lap("bind ops")
     report = make_report(model, args, kwargs, theta, cands, near, whole, timings, name)
@@ -261,6 +263,7 @@ def _plan_captured(gm, spec, model, args, kwargs, lap, timings, *, theta, device
     if rewrite_graph:
         report.gemm = [asdict(g) for g in gemms]
         report.inplace_writes = in_place
+        report.rope_cache_writes = rope_writes
         report.deduped_ops = deduped
         report.shared_masks = masks
         report.precision = lowp

@@ -8,6 +8,7 @@ into new parameters, parameters left without users dropped, then ``graph.lint()`
 
 from __future__ import annotations
 
+import operator
 import re
 import types
 from operator import attrgetter
@@ -223,6 +224,88 @@ def inplace_cache_writes(gm: fx.GraphModule) -> int:
     return done
 
 
+def rope_cache_writes(gm: fx.GraphModule) -> int:
+    """Fuse each attention layer's RoPE with its KV-cache write: ``q_rot, k_rot =
+    opfuse.rope_qk(q, k, cos, sin, layout)`` then ``index_copy_(k_cache, 2, index, k_rot)``
+    and ``index_copy_(v_cache, 2, index, v)`` (HF's StaticCache update, put in place by
+    :func:`inplace_cache_writes` or captured so by dynamo) become one
+    ``q_rot = opfuse.rope_qk_cache(q, k, v, cos, sin, layout, k_cache, v_cache, index)`` at
+    the later write's position, whose readers then read the caches themselves.
+
+    Legal only when k_rot is read by its write alone, q_rot only after the later write, both
+    writes share one index node and dim 2 into two distinct cache placeholders / attributes
+    with no view of them anywhere, nothing but the writes reads a cache between the earlier
+    write and the later one, and a CPU kernel exists for q's device. Returns the number of
+    layers fused."""
+    from .kernels.registry import REGISTRY
+    from .patterns.common import val
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    rope_qk = torch.ops.opfuse.rope_qk.default
+    done = 0
+
+    def cache_write(node, source=None, index=None):
+        ok = (node.op == "call_function" and node.target is aten.index_copy_.default and len(node.args) == 4
+              and not node.kwargs and node.args[1] == 2 and isinstance(node.args[0], fx.Node)
+              and node.args[0].op in ("placeholder", "get_attr"))
+        return ok and (source is None or node.args[3] is source) and (index is None or node.args[2] is index)
+
+    for rope in [n for n in nodes if n.op == "call_function" and n.target is rope_qk]:
+        q, k, cos, sin, layout = rope.args
+        gets = {u.args[1]: u for u in rope.users if u.target is operator.getitem}
+        if len(gets) != len(rope.users) or set(gets) - {0, 1} or 1 not in gets:
+            continue
+        k_rot = gets[1]
+        if len(k_rot.users) != 1:
+            continue
+        write_k = next(iter(k_rot.users))
+        if not cache_write(write_k, k_rot):
+            continue
+        index = write_k.args[2]
+        if not isinstance(index, fx.Node):
+            continue
+        writes_v = [u for u in index.users if u is not write_k and cache_write(u, None, index)]
+        if len(writes_v) != 1:
+            continue
+        write_v = writes_v[0]
+        k_cache, v_cache, v = write_k.args[0], write_v.args[0], write_v.args[3]
+        if k_cache is v_cache or not isinstance(v, fx.Node):
+            continue
+        qv = val(q)
+        if qv is None or ("rope_qk_cache", qv.device.type) not in REGISTRY:
+            continue
+        first, last = sorted((write_k, write_v), key=order.__getitem__)
+        readers = {u for c in (k_cache, v_cache, write_k, write_v) for u in c.users} - {write_k, write_v}
+        if any(_aliases(u) for c in (k_cache, v_cache) for u in c.users if u not in (write_k, write_v)):
+            continue
+        if any(order[first] < order[u] < order[last] for u in readers):
+            continue
+        q_users = list(gets[0].users) if 0 in gets else []
+        if any(order[u] <= order[last] for u in q_users):
+            continue
+        if any(order[a] > order[last] for a in (q, k, v, index) if isinstance(a, fx.Node)):
+            continue
+        with gm.graph.inserting_after(last):
+            fused = gm.graph.call_function(torch.ops.opfuse.rope_qk_cache.default,
+                                           (q, k, v, cos, sin, layout, k_cache, v_cache, index))
+        if 0 in gets:
+            fused.meta = dict(gets[0].meta)
+            gets[0].replace_all_uses_with(fused)
+        elif isinstance(val(q), torch.Tensor):
+            fused.meta["val"] = val(q)
+        write_k.replace_all_uses_with(k_cache)
+        write_v.replace_all_uses_with(v_cache)
+        for node in (write_k, write_v, k_rot, gets.get(0), rope):
+            if node is not None:
+                gm.graph.erase_node(node)
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        done += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
 def _key_of(value):
     """A hashable stand-in for an FX argument (nodes by identity, floats by ``repr`` so that
     NaN equals NaN and 0.0 differs from -0.0); None for an argument that has none."""
@@ -241,10 +324,10 @@ def _key_of(value):
 
 def _unsafe_to_share(graph: fx.Graph) -> set:
     """Nodes whose value must stay their own: every node that shares storage (views,
-    ``getitem``, in both directions) with an argument of an in-place op (its value may change
+    ``getitem``, in both directions) with an argument an in-place op writes (its value may change
     under a merged reader) or with a graph output (the caller may write one output in place;
     eager's outputs are independent tensors)."""
-    from .graph.state import is_mutating
+    from .graph.state import written_args
     parent: dict = {}
 
     def root(n):
@@ -257,7 +340,7 @@ def _unsafe_to_share(graph: fx.Graph) -> set:
         if getattr(node.target, "__name__", "") == "getitem" or _aliases(node):
             for src in node.all_input_nodes[:1] if node.args else ():
                 parent[root(node)] = root(src)
-    unsafe = {root(a) for n in graph.nodes if is_mutating(n) for a in n.all_input_nodes}
+    unsafe = {root(a) for n in graph.nodes for a in written_args(n)}
     unsafe |= {root(a) for n in graph.nodes if n.op == "output" for a in n.all_input_nodes}
     return {n for n in graph.nodes if root(n) in unsafe}
 

@@ -93,10 +93,12 @@ def test_decode_writes_the_cache_in_place_and_never_replans():
             assert piece is not None and not piece.replans
             for plan in piece._plans.values():
                 nodes = [n for n in plan.gm.graph.nodes if n.op == "call_function"]
-                # K and V of both layers written by index_copy_ into the cache, no functional copy + copy_ back
-                assert sum(n.target is torch.ops.aten.index_copy_.default for n in nodes) == 4, phase
-                assert not any(n.target is torch.ops.aten.index_copy.default for n in nodes), phase
-                assert plan.report.inplace_writes == 4
+                # K and V of both layers written in place into the cache (index_copy_, then fused with
+                # RoPE into rope_qk_cache), no functional copy + copy_ back
+                assert sum(n.target is torch.ops.opfuse.rope_qk_cache.default for n in nodes) == 2, phase
+                assert not any(n.target in (torch.ops.aten.index_copy.default, torch.ops.aten.index_copy_.default,
+                                            torch.ops.opfuse.rope_qk.default) for n in nodes), phase
+                assert plan.report.inplace_writes == 4 and plan.report.rope_cache_writes == 2
     steps = fused.generation.summary()
     assert steps["new_tokens"] == 20 and steps["decode_step_s"] > 0
 

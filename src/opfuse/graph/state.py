@@ -114,8 +114,24 @@ def write_backs(graph: fx.Graph) -> list[fx.Node]:
     """The inputs / attributes a captured program writes: every ``aten.copy_`` destination
     (torch.export's unlifted module writes mutated buffers and inputs back with ``copy_`` at
     the end of the graph) and the destination of every in-place op that the rewrite put
-    back (:func:`opfuse.rewrite.inplace_cache_writes`: ``index_copy_`` into a KV cache)."""
-    return [n.args[0] for n in graph.nodes if is_mutating(n) and n.args and isinstance(n.args[0], fx.Node)]
+    back (:func:`opfuse.rewrite.inplace_cache_writes`: ``index_copy_`` into a KV cache), every
+    argument its schema marks written (``opfuse.rope_qk_cache`` writes k_cache and v_cache)."""
+    return [dest for n in graph.nodes for dest in written_args(n)]
+
+
+def written_args(node: fx.Node) -> list[fx.Node]:
+    """The argument nodes ``node``'s op writes (schema ``Tensor(a!)``): ``add_``'s self,
+    ``index_copy_``'s buffer, ``opfuse.rope_qk_cache``'s k_cache and v_cache; [] for an op
+    that writes nothing."""
+    if not is_mutating(node):
+        return []
+    out = []
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, fx.Node):
+                out.append(value)
+    return out
 
 
 def mutated_targets(graph: fx.Graph) -> dict[str, set[str]]:

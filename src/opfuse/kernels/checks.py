@@ -381,6 +381,50 @@ def check_rope_qk(
             check_rope_table(op, "sin", sin, *bsd, device_type=device_type))
 
 
+def check_rope_qk_cache(
+    q: torch.Tensor,  # [B, H, S, D]
+    k: torch.Tensor,  # [B, Hkv, S, D]
+    v: torch.Tensor,  # [B, Hkv, S, D]
+    cos: torch.Tensor,  # broadcastable to [B, 1, S, D]
+    sin: torch.Tensor,
+    layout: str,
+    k_cache: torch.Tensor,  # [B, Hkv, L, D], written at positions ``index``
+    v_cache: torch.Tensor,  # [B, Hkv, L, D]
+    index: torch.Tensor,  # [S] int64, cache positions of the S new tokens
+    *,
+    device_type: DeviceType,
+) -> tuple[tuple[int, int, int], tuple[int, ...], tuple[int, ...]]:
+    """rope_qk's checks, then: v shaped like k; both caches [B, Hkv, L, D] of the dtype the
+    rotated k and v have (``index_copy_`` copies without a cast); index a 1-D int64 tensor
+    of S positions; H ≥ 1. Returns rope_qk's ((B, S, D), cos shape, sin shape). Positions
+    outside [0, L) are checked by the kernel (IndexError, as ``index_copy_``)."""
+    op = "rope_qk_cache"
+    (b, s, d), cos_shape, sin_shape = check_rope_qk(q, k, cos, sin, layout, device_type=device_type)
+    if q.shape[1] < 1:
+        raise ValueError(f"opfuse.{op}: q has no heads (shape {tuple(q.shape)})")
+    check_tensor(op, "v", v, 4, device_type=device_type)
+    check_shape(op, "v", v, tuple(k.shape))
+    k_dtype = torch.promote_types(torch.promote_types(k.dtype, cos.dtype), sin.dtype)
+    for name, cache, src_dtype in (("k_cache", k_cache, k_dtype), ("v_cache", v_cache, v.dtype)):
+        check_tensor(op, name, cache, 4, device_type=device_type)
+        if cache.dim() != 4 or (cache.shape[0], cache.shape[1], cache.shape[3]) != (b, k.shape[1], d):
+            raise ValueError(f"opfuse.{op}: {name} shape {tuple(cache.shape)} is not [B, Hkv, L, D] = "
+                             f"[{b}, {k.shape[1]}, L, {d}]")
+        if cache.dtype != src_dtype:
+            raise ValueError(f"opfuse.{op}: {name} is {cache.dtype}, the rows written into it are {src_dtype}")
+        if cache.device != q.device:
+            raise ValueError(f"opfuse.{op}: {name} is on {cache.device}, q on {q.device}")
+    if v_cache.shape[2] != k_cache.shape[2]:
+        raise ValueError(f"opfuse.{op}: k_cache holds {k_cache.shape[2]} positions, v_cache {v_cache.shape[2]}")
+    if not isinstance(index, torch.Tensor) or index.dtype != torch.int64 or index.dim() != 1 or index.numel() != s:
+        raise ValueError(f"opfuse.{op}: index must be a 1-D int64 tensor of S = {s} cache positions, got "
+                         + (f"{index.dtype} {tuple(index.shape)}" if isinstance(index, torch.Tensor)
+                            else type(index).__name__))
+    if index.device != q.device:
+        raise ValueError(f"opfuse.{op}: index is on {index.device}, q on {q.device}")
+    return (b, s, d), cos_shape, sin_shape
+
+
 # --- ops without a backend-shared check above (their CPU launchers call these too) ------
 
 
@@ -460,6 +504,7 @@ OP_CHECKS = {
     "geglu": lambda x, w, hidden, a, **d: check_geglu(x, w, hidden, a, **d),
     "rope": lambda x, cos, sin, layout, **d: check_rope(x, cos, sin, layout, **d),
     "rope_qk": lambda q, k, cos, sin, layout, **d: check_rope_qk(q, k, cos, sin, layout, **d),
+    "rope_qk_cache": lambda *a, **d: check_rope_qk_cache(*a, **d),
 }
 
 

@@ -25,6 +25,7 @@ op and imports the CPU kernels (which register themselves).
     opfuse::geglu(Tensor x, Tensor w_gate_up, int hidden, str approximate) -> Tensor
     opfuse::rope(Tensor x, Tensor cos, Tensor sin, str layout) -> Tensor
     opfuse::rope_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, str layout) -> (Tensor, Tensor)
+    opfuse::rope_qk_cache(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, str layout, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor index) -> Tensor
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ SCHEMAS: dict[str, str] = {
     "geglu": "(Tensor x, Tensor w_gate_up, int hidden, str approximate) -> Tensor",
     "rope": "(Tensor x, Tensor cos, Tensor sin, str layout) -> Tensor",
     "rope_qk": "(Tensor q, Tensor k, Tensor cos, Tensor sin, str layout) -> (Tensor, Tensor)",
+    "rope_qk_cache": "(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, str layout, Tensor(a!) k_cache, "
+                     "Tensor(b!) v_cache, Tensor index) -> Tensor",
 }
 
 
@@ -347,6 +350,22 @@ def _(q, k, cos, sin, layout):
             k.new_empty(k.shape, dtype=torch.promote_types(k.dtype, table)))
 
 
+@_op("rope_qk_cache")
+def rope_qk_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, layout: str, k_cache: Tensor,
+                  v_cache: Tensor, index: Tensor) -> Tensor:
+    """rope(q), with rope(k) and v written into the KV cache at ``index`` (dim 2) in place."""
+    return lookup("rope_qk_cache", q.device.type)(q, k, v, cos, sin, layout, k_cache, v_cache, index)
+
+
+@rope_qk_cache.register_fake
+def _(q, k, v, cos, sin, layout, k_cache, v_cache, index):
+    from opfuse.kernels.checks import check_rope_qk_cache
+    # also called unchecked for an empty first input (LibraryOp): q [B, 0, S, D] would leave
+    # k's rows unwritten, so the checks run here too
+    check_rope_qk_cache(q, k, v, cos, sin, layout, k_cache, v_cache, index, device_type=q.device.type)
+    return q.new_empty(q.shape, dtype=torch.promote_types(q.dtype, torch.promote_types(cos.dtype, sin.dtype)))
+
+
 # --- warm-up ---------------------------------------------------------------------------
 
 
@@ -387,3 +406,7 @@ def warm_up() -> None:
         lookup("rope", "cpu")(q, r(1, 1, 2, 8), r(1, 1, 2, 8), layout)
         lookup("rope", "cpu")(q.transpose(1, 2), r(1, 1, 3, 8), r(1, 1, 3, 8), layout)
         lookup("rope_qk", "cpu")(q.transpose(1, 2), q.transpose(1, 2)[:, :1], r(1, 1, 3, 8), r(1, 1, 3, 8), layout)
+        for s in (1, 3):  # by address (one position) and strided
+            qs = q[:, :s].transpose(1, 2)
+            lookup("rope_qk_cache", "cpu")(qs, qs[:, :1], qs[:, :1], r(1, 1, s, 8), r(1, 1, s, 8), layout,
+                                           r(1, 1, 4, 8), r(1, 1, 4, 8), torch.arange(s))

@@ -187,3 +187,10 @@ def attention_bf16(q, k, v, mask, scale: float, is_causal: bool, shift: bool = T
     """The float64 attention (the bf16 kernel's tolerance covers q, k, v, scores and P rounded;
     ``shift`` / ``aten`` / ``sample`` only change where the rounding happens)."""
     return attention(q, k, v, mask, scale, is_causal)
+
+
+def rope_qk_cache(q, k, v, cos, sin, layout: str, k_cache, v_cache, index):
+    """(rope(q), k_cache', v_cache') in float64, nothing written: the caches' float64 copies
+    with rope(k) and v copied in at positions ``index`` along dim 2 (``index_copy``)."""
+    qo, ko = rope_qk(q, k, cos, sin, layout)
+    return qo, _d(k_cache).index_copy(2, index, ko), _d(v_cache).index_copy(2, index, _d(v))

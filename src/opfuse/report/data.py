@@ -66,6 +66,7 @@ class FusionReport:
     # "decided_at": {symbol: size}, "verified_at": [{symbol: size}, ...]}; empty when static
     dynamic: dict = field(default_factory=dict)
     inplace_writes: int = 0   # functionalised cache writes put back in place (rewrite.inplace_cache_writes)
+    rope_cache_writes: int = 0  # RoPE + KV-cache writes fused into opfuse.rope_qk_cache (rewrite.rope_cache_writes)
     shared_masks: int = 0     # boolean attention masks made additive once for all layers (rewrite.shared_bool_masks)
     deduped_ops: int = 0      # repeated pure op calls merged after the rewrite (rewrite.dedupe_pure_ops)
     precision: dict = field(default_factory=dict)  # opfuse.precision.apply_precision (empty: float32 plan)

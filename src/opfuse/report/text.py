@@ -176,6 +176,11 @@ def render(report, limit: int | None = 40, block_only: bool = True) -> Group:
     if getattr(report, "shared_masks", 0):
         parts.append(Text.assemble(("Attention masks: ", "bold"), f"{report.shared_masks} boolean mask(s) made additive "
                                    "(0 / −inf) once and read by every attention call, instead of converted per call"))
+    if getattr(report, "inplace_writes", 0) or getattr(report, "rope_cache_writes", 0):
+        fused = getattr(report, "rope_cache_writes", 0)
+        parts.append(Text.assemble(("KV cache: ", "bold"), f"{report.inplace_writes} write(s) in place (no copy of the "
+                                   "cache)" + (f"; {fused} layer(s) write k's RoPE and v straight into the cache "
+                                               "(rope_qk_cache)" if fused else "")))
     if report.gemm:
         parts.append(gemm_table(report))
     if getattr(report, "precision", None):

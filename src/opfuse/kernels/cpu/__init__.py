@@ -17,5 +17,6 @@ from opfuse.kernels.cpu import (  # noqa: F401  (imported for their @register si
     linear_residual,
     rmsnorm,
     rope,
+    rope_cache,
     swiglu,
 )

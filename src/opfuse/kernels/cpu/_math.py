@@ -436,3 +436,5 @@ f32_at = intrinsic(_pointer_to(types.float32))
 u16_at = intrinsic(_pointer_to(types.uint16))
 #: The same for a bool tensor's bytes (uint8, nonzero = True).
 u8_at = intrinsic(_pointer_to(types.uint8))
+#: The same for an int64 tensor (cache positions).
+i64_at = intrinsic(_pointer_to(types.int64))
