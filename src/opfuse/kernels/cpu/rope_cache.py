@@ -31,7 +31,7 @@ from numba import carray, njit
 from opfuse.kernels.checks import check_rope_qk_cache
 from opfuse.kernels.cpu import _math
 from opfuse.kernels.cpu._launch import by_address
-from opfuse.kernels.cpu.rope import _row_interleaved, _row_rotate_half, _tables_at
+from opfuse.kernels.cpu.rope import _row_interleaved, _row_rotate_half, _rope_at, _tables_at
 from opfuse.kernels.registry import lookup, register
 
 
@@ -44,18 +44,12 @@ def _rope_cache_at(qp, kp, vp, cp, sp, qop, kcp, vcp, ip, b, h, hkv, s, d, lengt
     for t in range(s):
         if idx[t] < 0 or idx[t] >= length:
             return t
-    q, qo = carray(_math.f32_at(qp), (b, h, s, d)), carray(_math.f32_at(qop), (b, h, s, d))
+    _rope_at(qp, cp, sp, qop, b, h, s, d, bt, interleaved)  # q_rot: rope's own loop
     k, v = carray(_math.f32_at(kp), (b, hkv, s, d)), carray(_math.f32_at(vp), (b, hkv, s, d))
     kc, vc = carray(_math.f32_at(kcp), (b, hkv, length, d)), carray(_math.f32_at(vcp), (b, hkv, length, d))
     cos, sin = carray(_math.f32_at(cp), (bt, s, d)), carray(_math.f32_at(sp), (bt, s, d))
     for bb in range(b):
         c = bb if bt > 1 else 0
-        for hh in range(h):
-            for t in range(s):
-                if interleaved:
-                    _row_interleaved(q[bb, hh, t], cos[c, t], sin[c, t], qo[bb, hh, t])
-                else:
-                    _row_rotate_half(q[bb, hh, t], cos[c, t], sin[c, t], qo[bb, hh, t])
         for hh in range(hkv):
             for t in range(s):
                 row = idx[t]
