@@ -291,8 +291,8 @@ def rope_cache_writes(gm: fx.GraphModule) -> int:
         if 0 in gets:
             fused.meta = dict(gets[0].meta)
             gets[0].replace_all_uses_with(fused)
-        elif isinstance(val(q), torch.Tensor):
-            fused.meta["val"] = val(q)
+        else:
+            fused.meta["val"] = qv
         write_k.replace_all_uses_with(k_cache)
         write_v.replace_all_uses_with(v_cache)
         for node in (write_k, write_v, k_rot, gets.get(0), rope):
