@@ -24,7 +24,6 @@ Traffic (float32): read BHSD + 2·BHkvSD + 2·Bt·SD + 8S, write BHSD + 2·BHkvS
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from numba import carray, njit
 
