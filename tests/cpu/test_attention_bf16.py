@@ -641,3 +641,44 @@ def test_sampled_shift_kernel_against_float64(causal):
         errs[name] = float((out.double() - ref)[:, :, rows].abs().max()) / den
     assert errs["sampled"] < 1.5 * errs["row max"] + 1e-3 and errs["sampled"] < 0.3 * errs["raw"], errs
     assert errs["sampled"] < 4e-2, errs  # (q, k rounded to bf16: large scores, large error in any form)
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_a_kept_mask_never_gives_a_stale_result(kind):
+    """The mask rows are kept for the last mask tensor (:func:`A._mask_memo`): reused for the
+    same object, rebuilt after an in-place write (NaN included), for another object with the
+    same values at another or the same address, and never kept for an inference tensor."""
+    q, k, v = _qkv(1, 2, 16, 16, 32)
+    mask = _mask(kind, 1, 16, 16)
+
+    def check(m):
+        out = attention_bf16(q, k, v, m, 0.125, False)
+        ref = reference.attention(q.double(), k.double(), v.double(), m, 0.125, False)
+        assert torch.equal(out.isnan(), ref.isnan())
+        fin = ~ref.isnan()
+        if fin.any():
+            assert float((out.double() - ref)[fin].abs().max()) <= 2e-2 * float(ref[fin].abs().max())
+
+    check(mask)
+    first = A._local.mask[2]
+    check(mask)
+    assert A._local.mask[2] is first  # the same tensor, unchanged: reused
+    if kind == "bool":
+        mask[..., 1:] = ~mask[..., 1:]  # an in-place write: other keys kept
+    else:
+        mask[..., 3] = float("nan")
+    check(mask)
+    assert (kind == "bool") or attention_bf16(q, k, v, mask, 0.125, False).isnan().all()
+    assert A._local.mask[2] is not first
+    other = mask.clone()
+    check(other)
+    assert A._local.mask[0]() is other
+    with torch.inference_mode():
+        inf_mask = _mask(kind, 1, 16, 16)
+    check(inf_mask)
+    inf_mask_kept = A._local.mask[0]() is inf_mask
+    assert not inf_mask_kept
+    if kind == "additive":
+        with torch.inference_mode():
+            inf_mask[..., 5] = float("nan")  # changed without a version counter: must be seen
+        check(inf_mask)
