@@ -61,6 +61,14 @@ def _row_interleaved(x, c, s, y):  # x, c, s: [D] f32 in; y: [D] f32 out; read 3
         y[2 * i + 1] = b * c[2 * i + 1] + a * s[2 * i + 1]
 
 
+@njit(error_model="numpy", cache=True)
+def _rotate_row(x, c, s, y, interleaved):  # one row of either layout (every row loop's one call)
+    if interleaved:
+        _row_interleaved(x, c, s, y)
+    else:
+        _row_rotate_half(x, c, s, y)
+
+
 @njit(parallel=True, error_model="numpy", cache=True)
 def _rope_kernel(x, cos, sin, out, interleaved):
     # x: [B, H, S, D] f32 (any strides); cos: [Bc, S, D], sin: [Bs, S, D] f32, Bc, Bs in {1, B};
@@ -72,10 +80,7 @@ def _rope_kernel(x, cos, sin, out, interleaved):
         bc = b if cos.shape[0] > 1 else 0
         bs = b if sin.shape[0] > 1 else 0
         for t in range(x.shape[2]):
-            if interleaved:
-                _row_interleaved(x[b, h, t], cos[bc, t], sin[bs, t], out[b, h, t])
-            else:
-                _row_rotate_half(x[b, h, t], cos[bc, t], sin[bs, t], out[b, h, t])
+            _rotate_row(x[b, h, t], cos[bc, t], sin[bs, t], out[b, h, t], interleaved)
 
 
 @njit(error_model="numpy", cache=True)
@@ -88,10 +93,7 @@ def _rope_at(xp, cp, sp, outp, b, h, s, d, bt, interleaved):
         c = bb if bt > 1 else 0
         for hh in range(h):
             for t in range(s):
-                if interleaved:
-                    _row_interleaved(x[bb, hh, t], cos[c, t], sin[c, t], out[bb, hh, t])
-                else:
-                    _row_rotate_half(x[bb, hh, t], cos[c, t], sin[c, t], out[bb, hh, t])
+                _rotate_row(x[bb, hh, t], cos[c, t], sin[c, t], out[bb, hh, t], interleaved)
 
 
 def _tables_at(cos: torch.Tensor, sin: torch.Tensor, cos_shape: tuple, sin_shape: tuple, s: int, d: int) -> int:

@@ -30,7 +30,7 @@ from numba import carray, njit
 from opfuse.kernels.checks import check_rope_qk_cache
 from opfuse.kernels.cpu import _math
 from opfuse.kernels.cpu._launch import by_address
-from opfuse.kernels.cpu.rope import _row_interleaved, _row_rotate_half, _rope_at, _tables_at
+from opfuse.kernels.cpu.rope import _rope_at, _rotate_row, _tables_at
 from opfuse.kernels.registry import lookup, register
 
 
@@ -52,10 +52,7 @@ def _rope_cache_at(qp, kp, vp, cp, sp, qop, kcp, vcp, ip, b, h, hkv, s, d, lengt
         for hh in range(hkv):
             for t in range(s):
                 row = idx[t]
-                if interleaved:
-                    _row_interleaved(k[bb, hh, t], cos[c, t], sin[c, t], kc[bb, hh, row])
-                else:
-                    _row_rotate_half(k[bb, hh, t], cos[c, t], sin[c, t], kc[bb, hh, row])
+                _rotate_row(k[bb, hh, t], cos[c, t], sin[c, t], kc[bb, hh, row], interleaved)
                 for j in range(d):
                     vc[bb, hh, row, j] = v[bb, hh, t, j]
     return -1
