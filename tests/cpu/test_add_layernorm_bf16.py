@@ -159,6 +159,40 @@ def test_in_place_form_writes_the_same_bits_into_its_inputs():
         add_layernorm_bf16_(x, r.t().contiguous().t(), w, b, 1e-5)
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_in_place_by_address_and_by_views_write_the_same_bits(monkeypatch, with_bias, threads):
+    """The in-place form reads float32 contiguous tensors by address when it runs serially,
+    through numpy views otherwise (a strided weight, several threads): the same bits."""
+    from opfuse.kernels.cpu import add_layernorm_bf16 as M
+    x, r, w, b = _inputs(m=70, n=128, offset=2.0)
+    x[3, 7] = float("nan")
+    b = b if with_bias else None
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ref, _ = reference.add_layernorm(x, r, w, b, 1e-5, False)
+        runs = []
+        for address in (True, False):
+            monkeypatch.setattr(M, "by_address", M.by_address if address else (lambda *t: False))
+            xi, ri = x.clone(), r.clone()
+            add_layernorm_bf16_(xi, ri, w, b, 1e-5)
+            runs.append((xi.nan_to_num(7.0), ri.nan_to_num(7.0)))
+        strided_w = torch.stack([w, w], 1)[:, 0]  # not contiguous: the views path, same values
+        xi, ri = x.clone(), r.clone()
+        assert not strided_w.is_contiguous()
+        add_layernorm_bf16_(xi, ri, strided_w, b, 1e-5)
+        runs.append((xi.nan_to_num(7.0), ri.nan_to_num(7.0)))
+    finally:
+        torch.set_num_threads(old)
+    for xi, ri in runs[1:]:
+        assert torch.equal(xi, runs[0][0]) and torch.equal(ri, runs[0][1])
+    keep = ~ref.isnan().any(-1)
+    assert keep.sum() == 69
+    got = runs[0][1][keep].double()
+    assert float((got - ref[keep]).abs().max()) < 1e-4 * float(ref[keep].abs().max())
+
+
 @needs_onednn_bf16
 def test_in_place_only_where_nothing_reads_the_inputs_again():
     """output_hidden_states=True returns every layer's hidden state: the attention block's
