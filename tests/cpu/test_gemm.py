@@ -197,6 +197,32 @@ def test_op_sequence_after_is_the_same_whatever_the_gemm_backend(mode):
     assert other.ops_after == base.ops_after
 
 
+def test_op_sequence_after_names_fused_ops_by_their_pattern():
+    """A region run by an opfuse op is named as the report's tables name it (the
+    out_proj_residual pattern runs opfuse.linear_residual), once per region."""
+    from opfuse.models import load
+    loaded = load("bert-tiny", batch=2, seq=16)
+    report = opfuse.optimize(loaded.model, loaded.args, gemm="aten", decide="rho").report
+    fused = {r.pattern for r in report.regions if r.decision == "fused"}
+    names = [n[1:-1] for n in report.ops_after if n.startswith("[")]
+    assert names == ["qkv_merge", "attention", "linear_add_layernorm", "ffn", "add_layernorm"]
+    assert set(names) <= fused
+
+    class Residual(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dense = torch.nn.Linear(32, 32)
+
+        def forward(self, x, r):
+            return self.dense(x) + r
+
+    x, r = torch.randn(4, 64, 32), torch.randn(4, 64, 32)
+    fused_module = opfuse.optimize(Residual().eval(), (x, r), decide="rho")
+    assert fused_module.report.counts() == {"out_proj_residual": 1}
+    assert fused_module.report.ops_after == ["[out_proj_residual]"]
+    torch.testing.assert_close(fused_module(x, r), Residual.forward(fused_module._model[0], x, r))
+
+
 def test_dynamic_plans_choose_a_backend_over_every_size():
     """A backend > SIZE_CAP slower than aten at one size of the plan (a oneDNN prepacked
     weight at one row) is not taken, however fast elsewhere; of the rest the lowest

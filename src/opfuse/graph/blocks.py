@@ -49,11 +49,11 @@ def op_name(node: fx.Node) -> str | None:
     """Short name of a compute node; None for views, constants and bookkeeping."""
     if node.op != "call_function" or node.target in VIEW_OPS or "getitem" in str(node.target):
         return None
-    if "opfuse" in str(node.target):
-        return "[" + str(node.target).split(".")[1] + "]"
     gemm = node.target is aten.linear.default or "mkldnn._linear_pointwise" in str(node.target)
-    if node.meta.get("opfuse_pattern") and gemm:  # a fused region now run by a GEMM library call
-        return f"[{node.meta['opfuse_pattern']}]"
+    if node.meta.get("opfuse_pattern") and (gemm or "opfuse" in str(node.target)):
+        return f"[{node.meta['opfuse_pattern']}]"  # a fused region, by its pattern's name (as the report's tables)
+    if "opfuse" in str(node.target):  # an op a later pass made (no pattern): its own name
+        return "[" + str(node.target).split(".")[1] + "]"
     if gemm:
         return "Linear"
     if node.target in _SHORT:
@@ -75,6 +75,6 @@ def op_sequence(graph: fx.Graph, block: str | None, planned: dict | None = None)
                 out.append(f"[{planned[n][0]}]")
             continue
         name = op_name(n)
-        if name is not None:
+        if name is not None and not (out and name == out[-1] and name.startswith("[")):  # a region's nodes once
             out.append(name)
     return out
