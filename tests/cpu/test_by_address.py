@@ -127,3 +127,32 @@ def test_fast_paths_ignore_the_default_dtype(float64_default):
     for out, expected in checks:
         assert out.dtype == torch.float32
         torch.testing.assert_close(out.double(), expected.double(), rtol=1e-4, atol=1e-5)
+
+
+def test_f32_makes_a_strided_float32_input_contiguous():
+    # Tensor.to(float32, memory_format=contiguous_format) returns a float32 input itself,
+    # strides and all; numba then got a non-contiguous array and ran its loops unvectorised
+    # (a Llama's batch-4 prefill LM head, x[:, -1, :], 18x slower)
+    x = torch.randn(4, 3, 64)[:, -1, :]
+    y = _launch.f32(x)
+    assert not x.is_contiguous() and y.is_contiguous() and torch.equal(x, y)
+    assert y.numpy().flags["C_CONTIGUOUS"]
+    assert _launch.f32(y).data_ptr() == y.data_ptr()  # contiguous float32: no copy
+    assert _launch.f32(x.double()).is_contiguous()
+
+
+@pytest.mark.parametrize("rows", [2, 4, 8])
+def test_gemvs_on_a_strided_row_slice_equal_the_contiguous_call(rows):
+    # the prefill LM head's input: the last position of each sequence, rows apart in memory
+    h = torch.randn(rows, 5, 96)
+    x = h[:, -1, :]
+    w, b = torch.randn(200, 96), torch.randn(200)
+    ref = (x.double() @ w.double().t() + b.double())
+    y = linear_gemv.linear_gemv(x, w, b)
+    assert torch.equal(y, linear_gemv.linear_gemv(x.contiguous(), w, b))
+    assert float((y.double() - ref).abs().max()) < 1e-5 * float(ref.abs().max())
+    wb = w.to(torch.bfloat16)
+    refb = x.double() @ wb.double().t() + b.double()
+    yb = linear_bf16.linear_bf16(x, wb, b)
+    assert torch.equal(yb, linear_bf16.linear_bf16(x.contiguous(), wb, b))
+    assert float((yb.double() - refb).abs().max()) < 1e-5 * float(refb.abs().max())
