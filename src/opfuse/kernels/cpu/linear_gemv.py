@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import carray, njit, types
-from numba.extending import overload
+from numba import carray, njit
 
 from opfuse.kernels.checks import check_linear_gemv
 from opfuse.kernels.cpu import _math
@@ -35,67 +34,19 @@ from opfuse.kernels.registry import register
 
 GEMV_ROWS = 8  # rows up to which the weight-stream kernel runs; above, ATen's GEMM
 _Z = np.float32(0.0)
-_SHIFT = np.uint32(16)
-
-
-def weight_at(w, n, k):
-    """W[n, k] as float32 inside numba kernels: a float32 weight as it is, a bf16 weight
-    (its uint16 bits) widened exactly (bits << 16)."""
-    raise NotImplementedError("numba only")
-
-
-@overload(weight_at, inline="always")
-def _weight_at(w, n, k):
-    if w.dtype == types.uint16:
-        return lambda w, n, k: _math.f32_from_bits(np.uint32(w[n, k]) << _SHIFT)
-    return lambda w, n, k: w[n, k]
 
 
 @njit(fastmath=_math._REDUCE, error_model="numpy", cache=True)
-def gemv_rows(x, w, b, y):
-    """y = x @ Wᵀ + b for a few rows: x [M, K] f32, w [N, K] f32 or uint16 (bf16 bits,
-    :func:`weight_at`), b [N] f32, y [M, N] f32 out. Each weight row is loaded and widened
-    once for up to four rows of x (four float32 dot products in one pass over k): at M > 1
-    a one-row-at-a-time loop re-read and re-widened the weight row per row of x and ran
-    compute-bound (bf16, Zen 4, one thread, caches evicted, µs: 1376×512 M = 4 228 → 151,
-    32000×512 M = 4 4064 → 3425, M = 2 3097 → 2634). The reduction over k is in this
-    function's fast-math scope (reassoc: 16-wide partial sums), so it vectorises; serial (a
-    one-thread weight stream is what decode runs). Read NK weight elements + 4MK, write 4MN
-    bytes; 2MNK FLOPs."""
-    rows, kk = x.shape
+def _gemv_kernel(x, w, b, y):
+    # x: [M, K] f32; w: [N, K] f32 row-major; b: [N] f32; y: [M, N] f32 out. 2-D indexing in
+    # this function's fast-math scope (reassoc: 16-wide partial sums) vectorises the dot
+    # product; serial (see opfuse.kernels.cpu.linear_bf16). Read 4NK + 4MK, write 4MN.
     for n in range(w.shape[0]):
-        m = 0
-        while m + 4 <= rows:
-            a0 = _Z
-            a1 = _Z
-            a2 = _Z
-            a3 = _Z
-            for k in range(kk):
-                wk = weight_at(w, n, k)
-                a0 += x[m, k] * wk
-                a1 += x[m + 1, k] * wk
-                a2 += x[m + 2, k] * wk
-                a3 += x[m + 3, k] * wk
-            y[m, n] = a0 + b[n]
-            y[m + 1, n] = a1 + b[n]
-            y[m + 2, n] = a2 + b[n]
-            y[m + 3, n] = a3 + b[n]
-            m += 4
-        if m + 2 <= rows:
-            a0 = _Z
-            a1 = _Z
-            for k in range(kk):
-                wk = weight_at(w, n, k)
-                a0 += x[m, k] * wk
-                a1 += x[m + 1, k] * wk
-            y[m, n] = a0 + b[n]
-            y[m + 1, n] = a1 + b[n]
-            m += 2
-        if m < rows:
-            a0 = _Z
-            for k in range(kk):
-                a0 += x[m, k] * weight_at(w, n, k)
-            y[m, n] = a0 + b[n]
+        for m in range(x.shape[0]):
+            acc = _Z
+            for k in range(x.shape[1]):
+                acc += x[m, k] * w[n, k]
+            y[m, n] = acc + b[n]
 
 
 @njit(fastmath=_math._APPLY, error_model="numpy", cache=True)
@@ -139,7 +90,7 @@ def _gemv_at(xp, wp, bp, yp, m, k, n):
     # [N] at bp, or none when bp is 0. The same loops, so the same sums.
     x, w, y = carray(_math.f32_at(xp), (m, k)), carray(_math.f32_at(wp), (n, k)), carray(_math.f32_at(yp), (m, n))
     b = carray(_math.f32_at(bp), (n,)) if bp != 0 else np.zeros(n, np.float32)
-    gemv_rows(x, w, b, y)
+    _gemv_kernel(x, w, b, y)
 
 
 @register("linear_gemv", "cpu")
@@ -158,7 +109,7 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if m > GEMV_ROWS:
         y = torch.mm(x2, w.t()) if bias is None else torch.addmm(bias.detach(), x2, w.t())
         return y.view(*x.shape[:-1], n)
-    return run_gemv(gemv_rows, x2, w.numpy(), bias, n).view(*x.shape[:-1], n)
+    return run_gemv(_gemv_kernel, x2, w.numpy(), bias, n).view(*x.shape[:-1], n)
 
 
 def run_gemv(kernel, x2: torch.Tensor, w: np.ndarray, bias: torch.Tensor | None, n: int) -> torch.Tensor:
