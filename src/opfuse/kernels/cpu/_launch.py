@@ -37,9 +37,9 @@ def f32(t: torch.Tensor) -> torch.Tensor:
     unvectorised (measured: the prefill LM head of a Llama at batch 4, ``x[:, -1, :]`` into
     :func:`opfuse.kernels.cpu.linear_gemv.linear_gemv`, 63.8 ms against 3.6 ms contiguous;
     Zen 4, one thread)."""
-    if t.dtype is torch.float32 and t.is_contiguous():
-        return t.detach()  # the common case, without a dispatcher round trip (~1 µs)
-    return t.detach().to(dtype=torch.float32).contiguous()
+    if t.dtype is torch.float32:
+        return t.detach() if t.is_contiguous() else t.detach().contiguous()  # the common case: no dispatch (~1 µs)
+    return t.detach().to(dtype=torch.float32, memory_format=torch.contiguous_format)  # one converting copy
 
 
 def f32_rows(t: torch.Tensor, n: int) -> np.ndarray:
