@@ -684,9 +684,11 @@ UNSHIFTED_SHARE = 0.5
 
 #: The bf16 attention forms the precision pass chooses from, by measured time (the order
 #: breaks ties): "opfuse" = opfuse.attention_bf16's own kernel (shifted or unshifted scores,
-#: by error), "aten" = ATen's SDPA on bf16 q, k, v (``aten=True``; AMX tiles where the CPU
-#: has them). Tests pin one by setting this to a single form.
-ATTENTION_FORMS = ("opfuse", "aten")
+#: by error), "tiles" = its one-kernel-per-head form (``tiles=True``: float32 scores in L1,
+#: AVX512-BF16 tiles; where :func:`~opfuse.kernels.cpu.attention_bf16.tiles_supported`),
+#: "aten" = ATen's SDPA on bf16 q, k, v (``aten=True``; AMX tiles where the CPU has them).
+#: Tests pin one by setting this to a single form.
+ATTENTION_FORMS = ("opfuse", "tiles", "aten")
 
 
 def _timing_key(label: str) -> str:
@@ -727,7 +729,7 @@ def _attention_region(node: fx.Node, env: dict, call: tuple, values: list, m: in
     compares the chosen one's error with ``tol``). ``m`` = B·H·Sq rows, reported as m × k (D)
     × n (Sk)."""
     from .kernels.cpu.attention_bf16 import VERSION as attention_bf16_version
-    from .kernels.cpu.attention_bf16 import aten_form_keeps_nonfinite
+    from .kernels.cpu.attention_bf16 import aten_form_keeps_nonfinite, tiles_supported
     q, k = values[0], values[1]
     if not isinstance(env.get(node), torch.Tensor) or not isinstance(k, torch.Tensor) or \
             (isinstance(call[3], fx.Node) and not isinstance(values[3], torch.Tensor)):
@@ -747,14 +749,16 @@ def _attention_region(node: fx.Node, env: dict, call: tuple, values: list, m: in
     timed_values = [t.to(torch.bfloat16) if fed and i < 3 else t for i, t in enumerate(values)]
     with torch.no_grad():
         ref_r = torch.ops.opfuse.attention.default(*rounded) if fed else env[node]
-        names = tuple(f for f in (("aten",) if gqa else ATTENTION_FORMS) if f != "aten" or aten_form_keeps_nonfinite())
+        tiles = tiles_supported(as_int(q.shape[-1]), as_int(values[2].shape[-1]))
+        names = tuple(f for f in (("aten",) if gqa else ATTENTION_FORMS)
+                      if (f != "aten" or aten_form_keeps_nonfinite()) and (f != "tiles" or tiles))
         if not names:
             return None  # grouped-query heads, and ATen's bf16 SDPA loses non-finite values here
         shift = "opfuse" in names and not _relative_error(low(*rounded, False), ref_r) <= UNSHIFTED_SHARE * tol
         # the row shift from landmark keys (one small GEMM instead of S₁ and its row max), held
         # to the same margin as the raw scores: its error, too, depends on the inputs
         sample = shift and _relative_error(low(*rounded, True, False, True), ref_r) <= UNSHIFTED_SHARE * tol
-        forms = {"opfuse": (shift, False, sample), "aten": (True, True, False)}
+        forms = {"opfuse": (shift, False, sample), "aten": (True, True, False), "tiles": (True, False, False, True)}
         forms = {f: forms[f] for f in names
                  if f == "opfuse" or len(names) == 1 or _relative_error(low(*rounded, *forms[f]), ref_r) <= tol}
     shape = f"{'x'.join(str(as_int(s)) for s in q.shape)}, Sk={as_int(k.shape[-2])}, mask={values[3] is not None}, " \
@@ -767,8 +771,8 @@ def _attention_region(node: fx.Node, env: dict, call: tuple, values: list, m: in
 
     def lower():
         node.target = low
-        node.args = tuple(call) + ((True, True) if form == "aten" else (True, False, True) if sample else
-                                   () if shift else (False,))
+        node.args = tuple(call) + ((True, True) if form == "aten" else (True, False, False, True) if form == "tiles"
+                                   else (True, False, True) if sample else () if shift else (False,))
         node.kwargs = {}
         node.meta["opfuse_precision"] = "bf16"
         node.meta["opfuse_gqa"] = gqa
@@ -782,8 +786,10 @@ def _attention_region(node: fx.Node, env: dict, call: tuple, values: list, m: in
         return target(*[env.get(a, a) if isinstance(a, fx.Node) else a for a in args],
                       **{kk: env.get(a, a) if isinstance(a, fx.Node) else a for kk, a in kwargs.items()})
     d, sk = q.shape[-1], k.shape[-2]
-    name = "ATen SDPA" if form == "aten" else "sampled shift" if sample else "shifted" if shift else "unshifted"
+    name = "ATen SDPA" if form == "aten" else "tiles" if form == "tiles" else \
+        "sampled shift" if sample else "shifted" if shift else "unshifted"
     how = " (ATen's SDPA on bf16 q/k/v: float32 scores" if form == "aten" else \
+        " tiles (one kernel per head: float32 scores kept in L1" if form == "tiles" else \
         " GEMMs (scores rounded after the landmark keys' max is taken off" if sample else \
         f" GEMMs ({'scores rounded after the row max is taken off' if shift else 'raw scores rounded'}"
     return Region(node, m, as_int(d), as_int(sk), fp32,

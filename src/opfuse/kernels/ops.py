@@ -18,7 +18,7 @@ op and imports the CPU kernels (which register themselves).
     opfuse::linear_add_layernorm_sum(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor? ln_bias, float eps) -> (Tensor, Tensor)
     opfuse::ffn(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2, str approximate, int block_rows) -> Tensor
     opfuse::attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal) -> Tensor
-    opfuse::attention_bf16(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal, bool shift=True, bool aten=False, bool sample=False) -> Tensor
+    opfuse::attention_bf16(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal, bool shift=True, bool aten=False, bool sample=False, bool tiles=False) -> Tensor
     opfuse::rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor
     opfuse::add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)
     opfuse::swiglu(Tensor x, Tensor w_gate_up, int hidden) -> Tensor
@@ -71,8 +71,8 @@ SCHEMAS: dict[str, str] = {
                                 "Tensor? ln_bias, float eps) -> (Tensor, Tensor)",
     "ffn": "(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2, str approximate, int block_rows) -> Tensor",
     "attention": "(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal) -> Tensor",
-    "attention_bf16": "(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal, bool shift=True, bool aten=False, bool sample=False) "
-                      "-> Tensor",
+    "attention_bf16": "(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal, bool shift=True, bool aten=False, bool sample=False, "
+                      "bool tiles=False) -> Tensor",
     "rmsnorm": "(Tensor x, Tensor weight, float eps) -> Tensor",
     "add_rmsnorm": "(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
     "swiglu": "(Tensor x, Tensor w_gate_up, int hidden) -> Tensor",
@@ -268,12 +268,12 @@ def _(q, k, v, mask, scale, is_causal):
 
 @_op("attention_bf16")  # precision="bf16": bf16 GEMMs, float32 softmax (kernels/cpu/attention_bf16.py)
 def attention_bf16(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, is_causal: bool,
-                   shift: bool = True, aten: bool = False, sample: bool = False) -> Tensor:
-    return lookup("attention_bf16", q.device.type)(q, k, v, mask, scale, is_causal, shift, aten, sample)
+                   shift: bool = True, aten: bool = False, sample: bool = False, tiles: bool = False) -> Tensor:
+    return lookup("attention_bf16", q.device.type)(q, k, v, mask, scale, is_causal, shift, aten, sample, tiles)
 
 
 @attention_bf16.register_fake
-def _(q, k, v, mask, scale, is_causal, shift=True, aten=False, sample=False):
+def _(q, k, v, mask, scale, is_causal, shift=True, aten=False, sample=False, tiles=False):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 

@@ -183,9 +183,9 @@ def rope_qk(q, k, cos, sin, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def attention_bf16(q, k, v, mask, scale: float, is_causal: bool, shift: bool = True,
-                   aten: bool = False, sample: bool = False) -> torch.Tensor:
+                   aten: bool = False, sample: bool = False, tiles: bool = False) -> torch.Tensor:
     """The float64 attention (the bf16 kernel's tolerance covers q, k, v, scores and P rounded;
-    ``shift`` / ``aten`` / ``sample`` only change where the rounding happens)."""
+    ``shift`` / ``aten`` / ``sample`` / ``tiles`` only change where the rounding happens)."""
     return attention(q, k, v, mask, scale, is_causal)
 
 

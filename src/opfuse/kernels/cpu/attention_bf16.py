@@ -65,13 +65,13 @@ import torch
 from numba import njit, prange
 
 from opfuse.kernels.checks import check_attention, check_attention_mask
-from opfuse.kernels.cpu import _math
+from opfuse.kernels.cpu import _bf16dot, _math
 from opfuse.kernels.cpu._launch import launch
 from opfuse.kernels.cpu.attention import attention as attention_f32
 from opfuse.kernels.registry import register
 
 #: In the precision pass's timing-cache key (opfuse.precision): a changed kernel is timed again.
-VERSION = 8
+VERSION = 9
 _NEG_INF = np.float32(-np.inf)
 _INF = np.float32(np.inf)
 _KEEP = np.float32(-1e4)  # an additive mask entry above this counts as kept for the shift's max
@@ -81,6 +81,9 @@ _NO_SHIFT_SUM = np.float32(1e-30)  # … and while Σ exp(x) stays far from unde
 _Z = np.float32(0.0)
 _ONE = np.float32(1.0)
 _EXPO = np.uint32(0x7F80)
+_F32_EXPO = np.uint32(0x7F800000)
+_LOG2E = np.float32(1.4426950408889634)
+_EXP2_MIN = np.float32(-125.0)  # 2^x below this is taken as 0 (exp2_lo's range)
 _BLOCK = 64  # rows per parallel task
 
 
@@ -221,6 +224,124 @@ def _softmax_rows(s, mask, mrow, has_mask, causal, scale, p, bad):
             inv = _ONE / total
             for j in range(Sk):
                 p[r, j] = _math.f32_to_bf16(e[j] * inv)
+
+
+@njit(fastmath=_math._REDUCE, error_model="numpy", cache=True, parallel=True)
+def _tiled_heads(q, k, v, out, mask, mrow, has_mask, causal, scale, bad):
+    # q [B, H, Sq, D/2], k [B, H, Sk, D/2]: uint32 bf16 pairs along D, any strides; v
+    # [B, H, Sk, Dv] uint16 bf16 bits (unit inner stride); out: [B·H, Sq, Dv] float32 or
+    # uint16 (bf16 bits) out; mask [Rm, Sk] f32 additive, row r = hh·Sq + i uses
+    # mask[mrow[r]]; causal: Sq (key j ≤ query i) or 0; bad: [B·H·Sq] uint8 out, 1 where a
+    # row's raw scores hold NaN / ±inf. Per head: k and v packed in bf16 pairs (kp [D/2, Skp]:
+    # k transposed, keys padded to Skp with zeros; vp [Skp/2, Dv]: pairs along the keys),
+    # then ROWS query rows at a time: S = q·kᵀ in float32 (qk_tile) → P = exp(x − max) in
+    # bf16 and 1/Σ (x = scale·S + mask) → O = P·v / Σ (pv_tile). A head's packed k, v (8 KB
+    # each at 128 × 32) and a tile's scores (ROWS × Skp float32, 4 KB) stay in L1/L2: read
+    # q, k, v once, write out.
+    nh, sq, dpairs = q.shape[1], q.shape[2], q.shape[3]
+    sk, dv = k.shape[2], v.shape[3]
+    rows = _bf16dot.ROWS
+    skp = -(-sk // _bf16dot.COLS) * _bf16dot.COLS
+    scale2 = scale * _LOG2E
+    for hh in prange(q.shape[0] * nh):
+        bi, hi = hh // nh, hh % nh
+        kh, vh, qh, oh = k[bi, hi], v[bi, hi], q[bi, hi], out[hh]
+        kp = np.zeros((dpairs, skp), np.uint32)
+        vp = np.zeros((skp // 2, dv), np.uint32)
+        for j in range(sk):  # read Sk·D, write Skp·D (L1)
+            for t in range(dpairs):
+                kp[t, j] = kh[j, t]
+        for t in range(sk // 2):  # read Sk·Dv, write Skp·Dv (L1)
+            for c in range(dv):
+                vp[t, c] = np.uint32(vh[2 * t, c]) | (np.uint32(vh[2 * t + 1, c]) << 16)
+        if sk % 2:
+            for c in range(dv):
+                vp[sk // 2, c] = vh[sk - 1, c]
+        s = np.empty((rows, skp), np.float32)
+        p = np.zeros((rows, skp), np.uint16)
+        inv = np.zeros(rows, np.float32)
+        qt = np.zeros((rows, dpairs), np.uint32)  # a tail of fewer than ROWS query rows, padded with zeros
+        ot = np.empty((rows, dv), out.dtype)
+        for r0 in range(0, sq, rows):
+            nr = min(rows, sq - r0)
+            if nr == rows:
+                _bf16dot.qk_tile(qh, r0, kp, s, dpairs, skp)
+            else:
+                qt[:nr] = qh[r0:r0 + nr]
+                _bf16dot.qk_tile(qt, 0, kp, s, dpairs, skp)
+            last = sk if not causal else min(sk, r0 + nr)  # keys any row of the tile keeps
+            npk = (last + 1) // 2
+            for i in range(nr):
+                r = hh * sq + r0 + i
+                n = sk if not causal else min(sk, r0 + i + 1)
+                mr = mrow[r]
+                best = np.uint32(0)
+                expo = np.uint32(0)
+                for j in range(n):  # x = (scale·S + mask)·log2 e; the max as an integer max of order keys
+                    x = s[i, j]
+                    expo = _math.umax32(expo, _math.f32_bits(x) & _F32_EXPO)
+                    x = x * scale2
+                    if has_mask:
+                        x = x + mask[mr, j] * _LOG2E
+                    s[i, j] = x
+                    best = _math.umax32(best, _math.order_key(x))
+                mx = _math.from_order_key(best)
+                bad[r] = 0
+                total = _Z
+                if expo == _F32_EXPO or not mx < _INF:  # a NaN / ±inf raw score: the caller re-runs
+                    bad[r] = 1
+                elif mx > _NEG_INF:  # else fully masked: P = 0, out 0 (as ATen SDPA)
+                    for j in range(n):  # P = 2^(x − max) = e^(scale·S + mask − max), rounded to bf16
+                        e = s[i, j] - mx
+                        w = _math.exp2_lo(e)
+                        w = w if e > _EXP2_MIN else _Z
+                        total += w
+                        p[i, j] = _bf16dot.to_bf16(w)
+                for j in range(n if total > _Z else 0, 2 * npk):
+                    p[i, j] = 0
+                inv[i] = _ONE / total if total > _Z else _Z
+            for c0 in range(0, dv, _bf16dot.COLS):
+                if nr == rows:
+                    _bf16dot.pv_tile(p, vp, oh, r0, c0, inv, npk)
+                else:
+                    _bf16dot.pv_tile(p, vp, ot, 0, c0, inv, npk)
+            if nr < rows:
+                oh[r0:r0 + nr] = ot[:nr]
+
+
+def tiles_supported(d: int, dv: int) -> bool:
+    """Whether :func:`attention_bf16`'s ``tiles=True`` form runs for head sizes D, Dv here:
+    avx512_bf16 (:data:`opfuse.kernels.cpu._bf16dot.AVAILABLE`), D even, Dv a multiple of
+    :data:`~opfuse.kernels.cpu._bf16dot.COLS` (32)."""
+    return _bf16dot.AVAILABLE and d % 2 == 0 and dv % _bf16dot.COLS == 0
+
+
+def _operand(t: torch.Tensor) -> np.ndarray:
+    """q / k / v as the tiled kernel reads it: bf16 (a converting copy unless it already is,
+    one copy if its inner stride is not 1), as numpy uint16 bits, in place otherwise."""
+    t = t.detach()
+    if t.dtype != torch.bfloat16:
+        t = t.to(torch.bfloat16, memory_format=torch.contiguous_format)
+    if t.stride(-1) != 1 or t.storage_offset() % 2 or any(st % 2 for st in t.stride()[:-1]):
+        t = t.contiguous()
+    return _bits(t)
+
+
+def _tiled(q, k, v, maskf, mrow, has_mask, causal: int, scale: float, bad: np.ndarray) -> torch.Tensor | None:
+    """The ``tiles=True`` form on q [B,H,Sq,D], k [B,H,Sk,D], v [B,H,Sk,Dv] (D even) ->
+    [B,H,Sq,Dv] (bf16 where q is bf16, else float32), or None where a raw score is NaN / ±inf
+    (the caller then runs the float32 kernel). q and k are read as 32-bit bf16 pairs along D
+    (their strides even, so every pair is 4-byte aligned)."""
+    b, h, sq, _ = q.shape
+    dv = v.shape[-1]
+    qb, kb, vb = (_operand(t) for t in (q, k, v))
+    out = torch.empty((b * h, sq, dv), dtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
+    o = _bits(out) if out.dtype == torch.bfloat16 else out.numpy()
+    launch(_tiled_heads, b * h * sq * k.shape[-2])(qb.view(np.uint32), kb.view(np.uint32), vb, o, maskf, mrow,
+                                                   has_mask, causal, np.float32(scale), bad)
+    if bad.any():
+        return None
+    return out.view(b, h, sq, dv)
 
 
 _CHUNK_BYTES = 1 << 20  # one chunk's bf16 scores: ~L2 (1 MB a core on Zen 4/5); measured 4.0 vs 5.0 ms a call
@@ -364,6 +485,7 @@ def attention_bf16(
     shift: bool = True,
     aten: bool = False,
     sample: bool = False,
+    tiles: bool = False,
 ) -> torch.Tensor:
     """Scaled dot-product attention with bf16 GEMMs (module docstring); q [B,H,Sq,D],
     k [B,Hkv,Sk,D], v [B,Hkv,Sk,Dv] float32 (or bf16), mask None or broadcastable to
@@ -371,7 +493,9 @@ def attention_bf16(
     ``shift=False`` rounds the raw scores q·kᵀ (one GEMM fewer, no row-max pass; error
     |s|·2⁻⁹ per score instead of |s − max|·2⁻⁹): the precision pass picks it per layer
     where its measured error is within budget. ``aten=True``: ATen's SDPA on bf16 q, k, v
-    (module docstring; ``shift`` unused). Raises ValueError (named) as
+    (module docstring; ``shift`` unused). ``tiles=True``: one kernel per head with float32
+    scores kept in L1 (module docstring; ``shift`` and ``sample`` unused), where
+    :func:`tiles_supported` (else as ``tiles=False``). Raises ValueError (named) as
     :func:`opfuse.kernels.cpu.attention.attention`."""
     b, h, hkv, sq, sk, d, dv = check_attention(q, k, v, device_type="cpu")
     if mask is not None:
@@ -385,6 +509,9 @@ def attention_bf16(
         return attention_f32(q, k, v, mask, scale, is_causal)
     ws = _workspace(b * h, sq, sk, d, dv)
     causal = sq if is_causal else 0
+    if tiles and tiles_supported(d, dv):
+        out = _tiled(q, k, v, maskf, mrow, has_mask, causal, scale, ws["bad"])
+        return attention_f32(q, k, v, mask, scale, is_causal) if out is None else out.to(q.dtype)
     buf = ws["s"]
     g = buf.shape[0]
     if shift:  # q·kᵀ − m as one GEMM over K = D + 2: [q | −m | 0]·[k | 1 | 0]ᵀ, the shift in the f32 accumulator
