@@ -108,6 +108,18 @@ def _broadcast_pair(builder, addr):
     return builder.bitcast(builder.shuffle_vector(v, v, ir.Constant(_V16I, [0] * 16)), _V32B)
 
 
+def _steps(builder, n, step):
+    """Emit ``step(i)`` for i < n (i64), unrolled by two (one pointer reload of the row
+    addresses, which do not all fit in registers, serves two steps), a last odd step after."""
+    with cgutils.for_range(builder, builder.udiv(n, _I64(2))) as loop:
+        i = builder.mul(loop.index, _I64(2))
+        step(i)
+        step(builder.add(i, _I64(1)))
+    odd = builder.icmp_unsigned("!=", builder.urem(n, _I64(2)), _I64(0))
+    with builder.if_then(odd, likely=False):
+        step(builder.sub(n, _I64(1)))
+
+
 @intrinsic
 def bf16_bits(typingctx, x):
     """bf16 bits of ``x`` as uint32 (in the low 16 bits): uint16 ``x`` as it is (already bf16
@@ -154,8 +166,8 @@ def qk_tile(typingctx, q, r0, kp, s, npairs, nkeys):
         zero = ir.Constant(_V16F, [0.0] * 16)
         with cgutils.for_range_slice(builder, _I64(0), nkv, _I64(COLS)) as (jb, _):
             accs = [cgutils.alloca_once_value(builder, zero) for _ in range(2 * ROWS)]
-            with cgutils.for_range(builder, npv) as loop:
-                p = loop.index
+
+            def step(p):
                 at = _at(builder, kbase, (builder.add(builder.mul(p, nkv), jb), _I64(4)))  # kp[p, 2·jb]
                 b = [builder.load(builder.inttoptr(builder.add(at, _I64(64 * c)), _V32B.as_pointer()), align=4)
                      for c in range(2)]
@@ -164,6 +176,7 @@ def qk_tile(typingctx, q, r0, kp, s, npairs, nkeys):
                     for c in range(2):
                         acc = accs[2 * r + c]
                         builder.store(_dp(builder, builder.load(acc), a, b[c]), acc)
+            _steps(builder, npv, step)
             for r in range(ROWS):
                 for c in range(2):
                     addr = _at(builder, sbase, (_I64(r), sstride), (builder.add(jb, _I64(16 * c)), _I64(4)))
@@ -192,8 +205,8 @@ def pv_tile(typingctx, p, vp, o, o_r0, c0, inv, npairs):
         accs = [cgutils.alloca_once_value(builder, zero) for _ in range(2 * ROWS)]
         rows = [_at(builder, pbase, (_I64(r), pstride)) for r in range(ROWS)]
         vcol = builder.add(vbase, builder.mul(c0v, _I64(4)))
-        with cgutils.for_range(builder, npv) as loop:
-            t = loop.index
+
+        def step(t):
             at = _at(builder, vcol, (t, vstride))
             b = [builder.load(builder.inttoptr(builder.add(at, _I64(64 * c)), _V32B.as_pointer()), align=4)
                  for c in range(2)]
@@ -202,6 +215,7 @@ def pv_tile(typingctx, p, vp, o, o_r0, c0, inv, npairs):
                 for c in range(2):
                     acc = accs[2 * r + c]
                     builder.store(_dp(builder, builder.load(acc), a, b[c]), acc)
+        _steps(builder, npv, step)
         esize = _I64(2 if out_bf16 else 4)
         for r in range(ROWS):
             scale = builder.load(builder.inttoptr(builder.add(ibase, _I64(4 * r)), _F32.as_pointer()))

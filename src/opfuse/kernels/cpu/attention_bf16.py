@@ -226,49 +226,59 @@ def _softmax_rows(s, mask, mrow, has_mask, causal, scale, p, bad):
                 p[r, j] = _math.f32_to_bf16(e[j] * inv)
 
 
-@njit(fastmath=_math._REDUCE, error_model="numpy", cache=True, parallel=True)
-def _tiled_heads(q, k, v, out, mask, mrow, has_mask, causal, scale, bad):
+@njit(error_model="numpy", cache=True, parallel=True)
+def _pack_heads(q, k, v, qs, kp, vp):
     # q [B, H, Sq, D/2], k [B, H, Sk, D/2]: uint32 bf16 pairs along D, any strides; v
-    # [B, H, Sk, Dv] uint16 bf16 bits (unit inner stride); out: [B·H, Sq, Dv] float32 or
-    # uint16 (bf16 bits) out; mask [Rm, Sk] f32 additive, row r = hh·Sq + i uses
-    # mask[mrow[r]]; causal: Sq (key j ≤ query i) or 0; bad: [B·H·Sq] uint8 out, 1 where a
-    # row's raw scores hold NaN / ±inf. Per head: k and v packed in bf16 pairs (kp [D/2, Skp]:
-    # k transposed, keys padded to Skp with zeros; vp [Skp/2, Dv]: pairs along the keys),
-    # then ROWS query rows at a time: S = q·kᵀ in float32 (qk_tile) → P = exp(x − max) in
-    # bf16 and 1/Σ (x = scale·S + mask) → O = P·v / Σ (pv_tile). A head's packed k, v (8 KB
-    # each at 128 × 32) and a tile's scores (ROWS × Skp float32, 4 KB) stay in L1/L2: read
-    # q, k, v once, write out.
-    nh, sq, dpairs = q.shape[1], q.shape[2], q.shape[3]
+    # [B, H, Sk, Dv] uint16 bf16 bits (unit inner stride) -> the tiles' layouts, in place:
+    # qs [B·H, Sqp, D/2] (q's rows), kp [B·H, D/2, Skp] (k transposed), vp [B·H, Skp/2, Dv]
+    # (v in pairs along the keys), all uint32; their padding (rows Sq…Sqp, keys Sk…Skp) is
+    # never written (the caller's buffers hold zeros there). Walked row by row, every head of
+    # a row together: q, k, v as a GEMM leaves them ([B, S, H·D] behind the views) stream in
+    # order (head by head, each row's slice starts a new page: the prefetchers lose it).
+    # Read and write (Sq·D + Sk·D + Sk·Dv)·2 bytes per (b, h).
+    nb, nh, sq, dpairs = q.shape
     sk, dv = k.shape[2], v.shape[3]
-    rows = _bf16dot.ROWS
-    skp = -(-sk // _bf16dot.COLS) * _bf16dot.COLS
-    scale2 = scale * _LOG2E
-    for hh in prange(q.shape[0] * nh):
-        bi, hi = hh // nh, hh % nh
-        kh, vh, qh, oh = k[bi, hi], v[bi, hi], q[bi, hi], out[hh]
-        kp = np.zeros((dpairs, skp), np.uint32)
-        vp = np.zeros((skp // 2, dv), np.uint32)
-        for j in range(sk):  # read Sk·D, write Skp·D (L1)
-            for t in range(dpairs):
-                kp[t, j] = kh[j, t]
-        for t in range(sk // 2):  # read Sk·Dv, write Skp·Dv (L1)
-            for c in range(dv):
-                vp[t, c] = np.uint32(vh[2 * t, c]) | (np.uint32(vh[2 * t + 1, c]) << 16)
+    for bi in prange(nb):
+        for i in range(sq):
+            for h in range(nh):
+                for t in range(dpairs):
+                    qs[bi * nh + h, i, t] = q[bi, h, i, t]
+        for j in range(sk):
+            for h in range(nh):
+                for t in range(dpairs):
+                    kp[bi * nh + h, t, j] = k[bi, h, j, t]
+        for t in range(sk // 2):
+            for h in range(nh):
+                for c in range(dv):
+                    vp[bi * nh + h, t, c] = np.uint32(v[bi, h, 2 * t, c]) | (np.uint32(v[bi, h, 2 * t + 1, c]) << 16)
         if sk % 2:
-            for c in range(dv):
-                vp[sk // 2, c] = vh[sk - 1, c]
+            for h in range(nh):
+                for c in range(dv):
+                    vp[bi * nh + h, sk // 2, c] = v[bi, h, sk - 1, c]
+
+
+@njit(fastmath=_math._REDUCE, error_model="numpy", cache=True, parallel=True)
+def _tiled_heads(qs, kp, vp, out, mask, mrow, has_mask, causal, scale, sq, sk, bad):
+    # qs [B·H, Sqp, D/2], kp [B·H, D/2, Skp], vp [B·H, Skp/2, Dv] uint32 (_pack_heads: bf16
+    # pairs; rows Sq…Sqp and keys Sk…Skp zero); out: [B·H, Sq, Dv] float32 or uint16 (bf16
+    # bits) out; mask [Rm, Sk] f32 additive, row r = hh·Sq + i uses mask[mrow[r]]; causal: Sq
+    # (key j ≤ query i) or 0; bad: [B·H·Sq] uint8 out, 1 where a row's raw scores hold NaN /
+    # ±inf. Per head, ROWS query rows at a time: S = q·kᵀ in float32 (qk_tile) → P =
+    # exp(x − max) in bf16 and 1/Σ (x = scale·S + mask) → O = P·v / Σ (pv_tile). A head's
+    # packed q, k, v (8 KB each at 128 × 32) and a tile's scores (ROWS × Skp float32, 4 KB)
+    # stay in L1/L2: read q, k, v once, write out.
+    dpairs, skp, dv = kp.shape[1], kp.shape[2], vp.shape[2]
+    rows = _bf16dot.ROWS
+    scale2 = scale * _LOG2E
+    for hh in prange(kp.shape[0]):
+        qh, kh, vh, oh = qs[hh], kp[hh], vp[hh], out[hh]
         s = np.empty((rows, skp), np.float32)
         p = np.zeros((rows, skp), np.uint16)
         inv = np.zeros(rows, np.float32)
-        qt = np.zeros((rows, dpairs), np.uint32)  # a tail of fewer than ROWS query rows, padded with zeros
         ot = np.empty((rows, dv), out.dtype)
         for r0 in range(0, sq, rows):
             nr = min(rows, sq - r0)
-            if nr == rows:
-                _bf16dot.qk_tile(qh, r0, kp, s, dpairs, skp)
-            else:
-                qt[:nr] = qh[r0:r0 + nr]
-                _bf16dot.qk_tile(qt, 0, kp, s, dpairs, skp)
+            _bf16dot.qk_tile(qh, r0, kh, s, dpairs, skp)
             last = sk if not causal else min(sk, r0 + nr)  # keys any row of the tile keeps
             npk = (last + 1) // 2
             for i in range(nr):
@@ -302,9 +312,9 @@ def _tiled_heads(q, k, v, out, mask, mrow, has_mask, causal, scale, bad):
                 inv[i] = _ONE / total if total > _Z else _Z
             for c0 in range(0, dv, _bf16dot.COLS):
                 if nr == rows:
-                    _bf16dot.pv_tile(p, vp, oh, r0, c0, inv, npk)
+                    _bf16dot.pv_tile(p, vh, oh, r0, c0, inv, npk)
                 else:
-                    _bf16dot.pv_tile(p, vp, ot, 0, c0, inv, npk)
+                    _bf16dot.pv_tile(p, vh, ot, 0, c0, inv, npk)
             if nr < rows:
                 oh[r0:r0 + nr] = ot[:nr]
 
@@ -327,18 +337,28 @@ def _operand(t: torch.Tensor) -> np.ndarray:
     return _bits(t)
 
 
-def _tiled(q, k, v, maskf, mrow, has_mask, causal: int, scale: float, bad: np.ndarray) -> torch.Tensor | None:
+def _tiled(q, k, v, maskf, mrow, has_mask, causal: int, scale: float, ws: dict) -> torch.Tensor | None:
     """The ``tiles=True`` form on q [B,H,Sq,D], k [B,H,Sk,D], v [B,H,Sk,Dv] (D even) ->
     [B,H,Sq,Dv] (bf16 where q is bf16, else float32), or None where a raw score is NaN / ±inf
     (the caller then runs the float32 kernel). q and k are read as 32-bit bf16 pairs along D
-    (their strides even, so every pair is 4-byte aligned)."""
-    b, h, sq, _ = q.shape
-    dv = v.shape[-1]
+    (their strides even, so every pair is 4-byte aligned); the packed layouts live in the
+    workspace ``ws`` (zeros where nothing is packed)."""
+    b, h, sq, d = q.shape
+    sk, dv = k.shape[-2], v.shape[-1]
+    if "qs" not in ws:
+        rows, cols = _bf16dot.ROWS, _bf16dot.COLS
+        sqp, skp = -(-sq // rows) * rows, -(-sk // cols) * cols
+        ws["qs"] = np.zeros((b * h, sqp, d // 2), np.uint32)
+        ws["kp"] = np.zeros((b * h, d // 2, skp), np.uint32)
+        ws["vp"] = np.zeros((b * h, skp // 2, dv), np.uint32)
     qb, kb, vb = (_operand(t) for t in (q, k, v))
+    work = b * h * sq * sk
+    launch(_pack_heads, work)(qb.view(np.uint32), kb.view(np.uint32), vb, ws["qs"], ws["kp"], ws["vp"])
     out = torch.empty((b * h, sq, dv), dtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
     o = _bits(out) if out.dtype == torch.bfloat16 else out.numpy()
-    launch(_tiled_heads, b * h * sq * k.shape[-2])(qb.view(np.uint32), kb.view(np.uint32), vb, o, maskf, mrow,
-                                                   has_mask, causal, np.float32(scale), bad)
+    bad = ws["bad"]
+    launch(_tiled_heads, work)(ws["qs"], ws["kp"], ws["vp"], o, maskf, mrow, has_mask, causal, np.float32(scale),
+                               sq, sk, bad)
     if bad.any():
         return None
     return out.view(b, h, sq, dv)
@@ -510,7 +530,7 @@ def attention_bf16(
     ws = _workspace(b * h, sq, sk, d, dv)
     causal = sq if is_causal else 0
     if tiles and tiles_supported(d, dv):
-        out = _tiled(q, k, v, maskf, mrow, has_mask, causal, scale, ws["bad"])
+        out = _tiled(q, k, v, maskf, mrow, has_mask, causal, scale, ws)
         return attention_f32(q, k, v, mask, scale, is_causal) if out is None else out.to(q.dtype)
     buf = ws["s"]
     g = buf.shape[0]
