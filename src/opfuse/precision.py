@@ -46,8 +46,10 @@ check covers what the regions add up to (:mod:`opfuse.kernels.cpu.attention_bf16
 bf16 q, k, v 3.9 vs 5.2 ms at 8×12×128×32 and 7.0 vs 12.8 at 1×12×512×64 against ATen's
 float32 SDPA, one thread, Zen 5, interleaved). ATen's SDPA nodes (a model run with
 attn_implementation="sdpa") are attention sites too, read through their keyword arguments.
-The attention's bf16 form is the faster of opfuse's kernel and ATen's SDPA on bf16 q, k, v
-(``aten=True``), timed per shape and cached per CPU (:data:`ATTENTION_FORMS`): on Zen 5
+The attention's bf16 form is the fastest of opfuse's GEMM kernel, its per-head tiles kernel
+(``tiles=True``: float32 scores in L1 between AVX512-BF16 register tiles, where the CPU has
+avx512_bf16; Zen 4, 8×12×128×32 with caches evicted: 2.8 vs 3.1–3.8 ms) and ATen's SDPA on
+bf16 q, k, v (``aten=True``), timed per shape and cached per CPU (:data:`ATTENTION_FORMS`): on Zen 5
 ATen's bf16 SDPA was slower than its float32 (1.01 vs 0.84 ms at 1×12×128×64), on the Intel
 Xeon with AMX tiles it is the faster form (all-MiniLM-L6-v2 8×128: 2.3 vs 3.3 ms opfuse's
 kernel, 3.9 float32). A region measured slower in bf16 is measured twice (each form's

@@ -121,23 +121,6 @@ def _steps(builder, n, step):
 
 
 @intrinsic
-def bf16_bits(typingctx, x):
-    """bf16 bits of ``x`` as uint32 (in the low 16 bits): uint16 ``x`` as it is (already bf16
-    bits), float32 ``x`` rounded to nearest even by LLVM's ``fptrunc`` to bfloat (NaN stays
-    NaN, ±inf stays ±inf; ``vcvtneps2bf16``)."""
-    if x == types.uint16:
-        def codegen(context, builder, signature, args):
-            return builder.zext(args[0], _I32)
-    elif x == types.float32:
-        def codegen(context, builder, signature, args):
-            h = builder.bitcast(builder.fptrunc(args[0], _BFloat()), ir.IntType(16))
-            return builder.zext(h, _I32)
-    else:
-        return None
-    return types.uint32(x), codegen
-
-
-@intrinsic
 def to_bf16(typingctx, x):
     """bf16 bits (uint16) of float32 ``x``, rounded to nearest even by LLVM's ``fptrunc`` to
     bfloat (NaN stays NaN; a loop of them vectorises to ``vcvtneps2bf16``)."""
