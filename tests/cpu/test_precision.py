@@ -337,8 +337,8 @@ def test_a_region_whose_bf16_result_is_not_finite_stays_float32():
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("onednn", [pytest.param(True, marks=needs_onednn_bf16), False])
 def test_linear_bf16_kernel_against_float64(monkeypatch, rows, with_bias, onednn):
-    """opfuse.linear_bf16: up to GEMV_ROWS rows only W is rounded (the GEMV widens its bf16
-    bits exactly; float32 sums), above them oneDNN (or, on a CPU without oneDNN's bf16 inner
+    """opfuse.linear_bf16: up to GEMV_ROWS rows only W is rounded (K = 300 is no multiple of
+    32, so the GEMV widens its bf16 bits exactly; float32 sums), above them oneDNN (or, on a CPU without oneDNN's bf16 inner
     product, ATen's bf16 GEMM) rounds x and the result to bf16 too."""
     from opfuse.kernels.cpu import linear_bf16 as L
     from opfuse.kernels.cpu.linear_bf16 import GEMV_ROWS

@@ -213,3 +213,53 @@ def pv_tile(typingctx, p, vp, o, o_r0, c0, inv, npairs):
                 builder.store(val, builder.inttoptr(addr, val.type.as_pointer()), align=2)
         return context.get_dummy_value()
     return sig, codegen
+
+
+def _hsum(builder, v):
+    """The sum of a <16 x float>'s lanes: a tree of shuffles and adds (16 → 8 → 4 → 2 → 1)."""
+    width = 16
+    while width > 1:
+        half = width // 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half, width))))
+        v, width = builder.fadd(lo, hi), half
+    return builder.extract_element(v, _I32(0))
+
+
+def _gemv_rows(mr: int):
+    """An intrinsic ``gemv_rows(x, r0, w, n, y, kblocks)``: y[r0 + r, n] = Σ_k x[r0 + r, k] ·
+    w[n, k] for r < mr, over k < 32·kblocks; x [M, K], w [N, K] uint16 (bf16 bits, unit inner
+    stride), y [M, N] float32 (unit inner stride). One weight row is loaded once, 64 bytes
+    at a time, for all mr rows of x (16 lanes × 2 products per vdpbf16ps)."""
+    @intrinsic
+    def gemv_rows(typingctx, x, r0, w, n, y, kblocks):
+        sig = types.void(x, r0, w, n, y, kblocks)
+
+        def codegen(context, builder, signature, args):
+            xv, r0v, wv, nv, yv, kbv = args
+            xbase, xstride = _array(context, builder, signature.args[0], xv)
+            wbase, wstride = _array(context, builder, signature.args[2], wv)
+            ybase, ystride = _array(context, builder, signature.args[4], yv)
+            r0v, nv, kbv = _i64(builder, r0v), _i64(builder, nv), _i64(builder, kbv)
+            wrow = _at(builder, wbase, (nv, wstride))
+            xrows = [_at(builder, xbase, (builder.add(r0v, _I64(r)), xstride)) for r in range(mr)]
+            zero = ir.Constant(_V16F, [0.0] * 16)
+            accs = [cgutils.alloca_once_value(builder, zero) for _ in range(mr)]
+
+            def step(kb):
+                off = builder.mul(kb, _I64(64))
+                b = builder.load(builder.inttoptr(builder.add(wrow, off), _V32B.as_pointer()), align=2)
+                for r in range(mr):
+                    a = builder.load(builder.inttoptr(builder.add(xrows[r], off), _V32B.as_pointer()), align=2)
+                    builder.store(_dp(builder, builder.load(accs[r]), a, b), accs[r])
+            _steps(builder, kbv, step)
+            for r in range(mr):
+                addr = _at(builder, ybase, (builder.add(r0v, _I64(r)), ystride), (nv, _I64(4)))
+                builder.store(_hsum(builder, builder.load(accs[r])), builder.inttoptr(addr, _F32.as_pointer()))
+            return context.get_dummy_value()
+        return sig, codegen
+    return gemv_rows
+
+
+#: gemv_rows for 1 … 4 rows of x (one weight row's 64-byte loads shared by them).
+GEMV_1, GEMV_2, GEMV_3, GEMV_4 = (_gemv_rows(r) for r in range(1, 5))
