@@ -132,6 +132,18 @@ def to_bf16(typingctx, x):
     return types.uint16(x), codegen
 
 
+def _tile_step(builder, accs, rows, t, at):
+    """One reduction step of a ROWS × COLS tile: the two 64-byte ``b`` vectors at address
+    ``at``, row r's bf16 pair t (at rows[r] + 4t) broadcast, accs[2r + c] += a · b[c]."""
+    b = [builder.load(builder.inttoptr(builder.add(at, _I64(64 * c)), _V32B.as_pointer()), align=4)
+         for c in range(2)]
+    for r in range(ROWS):
+        a = _broadcast_pair(builder, _at(builder, rows[r], (t, _I64(4))))
+        for c in range(2):
+            acc = accs[2 * r + c]
+            builder.store(_dp(builder, builder.load(acc), a, b[c]), acc)
+
+
 @intrinsic
 def qk_tile(typingctx, q, r0, kp, s, npairs, nkeys):
     """S[r, j] = Σ_p q[r0 + r, 2p:2p+2] · kp[p, 2j:2j+2] for r < ROWS, j < nkeys (a multiple
@@ -150,15 +162,8 @@ def qk_tile(typingctx, q, r0, kp, s, npairs, nkeys):
         with cgutils.for_range_slice(builder, _I64(0), nkv, _I64(COLS)) as (jb, _):
             accs = [cgutils.alloca_once_value(builder, zero) for _ in range(2 * ROWS)]
 
-            def step(p):
-                at = _at(builder, kbase, (builder.add(builder.mul(p, nkv), jb), _I64(4)))  # kp[p, 2·jb]
-                b = [builder.load(builder.inttoptr(builder.add(at, _I64(64 * c)), _V32B.as_pointer()), align=4)
-                     for c in range(2)]
-                for r in range(ROWS):
-                    a = _broadcast_pair(builder, _at(builder, rows[r], (p, _I64(4))))
-                    for c in range(2):
-                        acc = accs[2 * r + c]
-                        builder.store(_dp(builder, builder.load(acc), a, b[c]), acc)
+            def step(p):  # kp[p, 2·jb]
+                _tile_step(builder, accs, rows, p, _at(builder, kbase, (builder.add(builder.mul(p, nkv), jb), _I64(4))))
             _steps(builder, npv, step)
             for r in range(ROWS):
                 for c in range(2):
@@ -189,15 +194,8 @@ def pv_tile(typingctx, p, vp, o, o_r0, c0, inv, npairs):
         rows = [_at(builder, pbase, (_I64(r), pstride)) for r in range(ROWS)]
         vcol = builder.add(vbase, builder.mul(c0v, _I64(4)))
 
-        def step(t):
-            at = _at(builder, vcol, (t, vstride))
-            b = [builder.load(builder.inttoptr(builder.add(at, _I64(64 * c)), _V32B.as_pointer()), align=4)
-                 for c in range(2)]
-            for r in range(ROWS):
-                a = _broadcast_pair(builder, _at(builder, rows[r], (t, _I64(4))))
-                for c in range(2):
-                    acc = accs[2 * r + c]
-                    builder.store(_dp(builder, builder.load(acc), a, b[c]), acc)
+        def step(t):  # vp[t, 2·c0]
+            _tile_step(builder, accs, rows, t, _at(builder, vcol, (t, vstride)))
         _steps(builder, npv, step)
         esize = _I64(2 if out_bf16 else 4)
         for r in range(ROWS):

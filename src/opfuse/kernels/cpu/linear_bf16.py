@@ -106,9 +106,7 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     k, n = check_linear_bf16(x, weight, bias)
     m = x.numel() // k
     if m <= GEMV_ROWS and _bf16dot.AVAILABLE and k % 32 == 0:  # bf16 x: vdpbf16ps (serial; the weight: dense bf16)
-        xc = x.detach() if x.dtype is torch.float32 and x.is_contiguous() else f32(x)
-        bc = None if bias is None else bias.detach() if bias.dtype is torch.float32 and bias.is_contiguous() \
-            else f32(bias)
+        xc, bc = f32(x), None if bias is None else f32(bias)  # no copy when already float32 and contiguous
         y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
         _gemv_dp_at(xc.data_ptr(), weight.data_ptr(), 0 if bc is None else bc.data_ptr(), y.data_ptr(), m, k, n)
         return y
