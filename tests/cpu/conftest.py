@@ -12,6 +12,16 @@ def _seed():
     yield
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (the serial kernels: decode attention, the
+    weight-stream GEMVs, numpy's OpenBLAS backend), the user's count restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_machine(monkeypatch):
     """Tests of the timing caches see a quiet machine (the CI machine's load, and whether

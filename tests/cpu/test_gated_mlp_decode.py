@@ -16,14 +16,6 @@ from opfuse.models import load
 F = torch.nn.functional
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _oracle(x, w, hidden, act):
     h = x.double().reshape(-1, x.shape[-1]) @ w.double().T
     g, u = h[:, :hidden], h[:, hidden:]

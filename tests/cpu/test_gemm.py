@@ -349,14 +349,6 @@ def test_lean_mode_measures_only_backends_without_a_weight_copy(monkeypatch):
 needs_openblas = pytest.mark.skipif(_gemm.openblas() is None, reason="numpy's BLAS is not OpenBLAS here")
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("layout", ["row-major", "padded", "wt"])
 @pytest.mark.parametrize("rows, k, n", [(1, 200, 33), (7, 31, 97), (130, 64, 129)])
 def test_linear_blas_against_float64(layout, rows, k, n):

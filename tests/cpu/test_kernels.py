@@ -277,16 +277,6 @@ DECODE_SHAPES = [  # (B, H, Hkv, Sk, D)
 ]
 
 
-@pytest.fixture
-def one_thread():
-    """The decode kernel runs serially: on one torch thread (a larger cache with more threads
-    goes to ATen SDPA's parallel kernel)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _decode_mask(kind: str, b: int, h: int, sk: int):
     g = torch.Generator().manual_seed(31)
     if kind == "none":
