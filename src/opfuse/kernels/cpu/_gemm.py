@@ -48,6 +48,8 @@ from functools import cache
 import numpy as np
 import torch
 
+from opfuse.kernels.cpu.linear_gemv import _gemv_at
+
 #: Floats of padding per row of a ``blas`` weight's [K, N + BLAS_PAD] buffer (64 bytes).
 BLAS_PAD = 16
 #: At most this many rows, :func:`blas_mm` streams the padded Wᵀ with opfuse's GEMV
@@ -177,8 +179,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 #: Rows up to which :func:`few_rows` streams the weight: a fused SwiGLU on a 2752×512 weight,
-#: one thread, hot, µs (GEMV vs MKL through ATen, Zen 4): M = 1 144 vs 232, M = 4 315 vs 442,
-#: M = 8 500 vs 475.
+#: one thread, hot, µs (GEMV vs MKL through ATen, Zen 4): M = 1 93 vs 142, M = 4 251 vs 311,
+#: M = 8 437 vs 437.
 FEW_ROWS = 4
 
 
@@ -196,22 +198,10 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
             or weight.shape[1] != k or not weight.is_contiguous() or x.dtype is not torch.float32
             or not x.is_contiguous() or torch.get_num_threads() != 1):
         return None
-    gemv = _FEW_ROWS[0] if _FEW_ROWS else _few_rows_kernel()
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=torch.float32)
-    gemv(x.data_ptr(), weight.data_ptr(), 0, y.data_ptr(), m, k, n)
+    _gemv_at(x.data_ptr(), weight.data_ptr(), 0, y.data_ptr(), m, k, n)
     return y
-
-
-_FEW_ROWS: list = []
-
-
-def _few_rows_kernel():
-    """linear_gemv's ``_gemv_at`` for :func:`few_rows`, imported on first use (linear_gemv
-    imports this package's modules)."""
-    from .linear_gemv import _gemv_at
-    _FEW_ROWS[:] = [_gemv_at]
-    return _gemv_at
 
 
 def accumulate(x: torch.Tensor, weight: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ def geglu(x: torch.Tensor, w_gate_up: torch.Tensor, hidden: int, approximate: st
     k, hidden = check_geglu(x, w_gate_up, hidden, approximate, device_type="cpu")
 
     x2 = f32(x).reshape(-1, k)  # [M, K]
-    h = _gemm.few_rows(x2, w_gate_up)  # a decode step's weight stream: opfuse's GEMV, or None
+    h = _gemm.few_rows(x2, w_gate_up)  # one to FEW_ROWS rows: opfuse's weight-stream GEMV, or None
     if h is None:
         h = _gemm.linear(x2, _gemm.operand(w_gate_up))  # [M, 2H] = [g | u]; read MK + 2HK, write 2MH
     out = torch.empty((x2.shape[0], hidden), dtype=torch.float32)  # [M, H]
