@@ -5,6 +5,12 @@
     W [N, K] f32 ──┘   weight row-major as the model holds it ──► y [M, N] f32 (+ bias)
                        (M > GEMV_ROWS: ATen's addmm / mm, eager's GEMM)
 
+Where numba compiles for AVX-512F the dot products run on :mod:`opfuse.kernels.cpu._f32dot`'s
+512-bit rows (one weight row's 64-byte loads shared by up to four rows of x,
+``llvm.fma.v16f32``): the 40 weights of a Llama decode step (46 MB, streamed in turn, one
+thread, Zen 4) ran 3.65 ms (25.4 GB/s) against 4.53 ms (20.5 GB/s) for the vectorised numba
+loop, and a 32000×512 LM head 2.45 against 3.28 ms (OpenBLAS's GEMV on Wᵀ: 2.96).
+
 A second kernel, :func:`gemv_wt`, streams a row-padded Wᵀ [K, ld] (the ``blas`` backend's
 layout, :func:`opfuse.kernels.cpu._gemm.blas_layout`) for one or two rows: y += x[k]·Wᵀ[k]
 four rows of Wᵀ at a time (an axpy per row, y in L1). On the Zen 2 machines (one thread,
@@ -28,7 +34,7 @@ import torch
 from numba import carray, njit
 
 from opfuse.kernels.checks import check_linear_gemv
-from opfuse.kernels.cpu import _math
+from opfuse.kernels.cpu import _f32dot, _math
 from opfuse.kernels.cpu._launch import by_address, f32
 from opfuse.kernels.registry import register
 
@@ -47,6 +53,38 @@ def _gemv_kernel(x, w, b, y):
             for k in range(x.shape[1]):
                 acc += x[m, k] * w[n, k]
             y[m, n] = acc + b[n]
+
+
+@njit(fastmath=_math._REDUCE, error_model="numpy", cache=True)
+def _gemv_zmm_kernel(x, w, b, y):
+    # _gemv_kernel's contract (x [M, K], w [N, K], b [N], y [M, N] f32, C-contiguous) on
+    # AVX-512F: per weight row, _f32dot.GEMV_r over the first 16·(K // 16) columns (one
+    # 64-byte weight load for up to 4 rows of x, one 16-lane FMA accumulator per row), then
+    # K's tail and the bias. Read 4NK + 4MK, write 4MN.
+    m = x.shape[0]
+    kk = x.shape[1]
+    kb = kk // _f32dot.LANES
+    for n in range(w.shape[0]):
+        r = 0
+        while r + 4 <= m:
+            _f32dot.GEMV_4(x, r, w, n, y, kb)
+            r += 4
+        if m - r == 3:
+            _f32dot.GEMV_3(x, r, w, n, y, kb)
+        elif m - r == 2:
+            _f32dot.GEMV_2(x, r, w, n, y, kb)
+        elif m - r == 1:
+            _f32dot.GEMV_1(x, r, w, n, y, kb)
+        for r in range(m):
+            acc = y[r, n]
+            for k in range(kb * _f32dot.LANES, kk):
+                acc += x[r, k] * w[n, k]
+            y[r, n] = acc + b[n]
+
+
+#: The float32 weight-stream kernel this CPU runs: the 512-bit rows where numba targets
+#: AVX-512F, else the vectorised loop.
+GEMV_KERNEL = _gemv_zmm_kernel if _f32dot.AVAILABLE else _gemv_kernel
 
 
 @njit(fastmath=_math._APPLY, error_model="numpy", cache=True)
@@ -86,11 +124,11 @@ def gemv_wt(x2: torch.Tensor, buf: torch.Tensor, n: int, out: torch.Tensor | Non
 
 @njit(fastmath=_math._REDUCE, error_model="numpy", cache=True)
 def _gemv_at(xp, wp, bp, yp, m, k, n):
-    # _gemv_kernel on float32 tensors given by address: x [M, K], w [N, K], y [M, N]; bias
+    # GEMV_KERNEL on float32 tensors given by address: x [M, K], w [N, K], y [M, N]; bias
     # [N] at bp, or none when bp is 0. The same loops, so the same sums.
     x, w, y = carray(_math.f32_at(xp), (m, k)), carray(_math.f32_at(wp), (n, k)), carray(_math.f32_at(yp), (m, n))
     b = carray(_math.f32_at(bp), (n,)) if bp != 0 else np.zeros(n, np.float32)
-    _gemv_kernel(x, w, b, y)
+    GEMV_KERNEL(x, w, b, y)
 
 
 @register("linear_gemv", "cpu")
@@ -109,7 +147,7 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if m > GEMV_ROWS:
         y = torch.mm(x2, w.t()) if bias is None else torch.addmm(bias.detach(), x2, w.t())
         return y.view(*x.shape[:-1], n)
-    return run_gemv(_gemv_kernel, x2, w.numpy(), bias, n).view(*x.shape[:-1], n)
+    return run_gemv(GEMV_KERNEL, x2, w.numpy(), bias, n).view(*x.shape[:-1], n)
 
 
 def run_gemv(kernel, x2: torch.Tensor, w: np.ndarray, bias: torch.Tensor | None, n: int) -> torch.Tensor:
