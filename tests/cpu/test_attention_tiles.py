@@ -142,6 +142,25 @@ def test_strided_views_and_two_threads_give_the_same_bits(dtype):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 16, 16, 32, 32), (1, 2, 9, 77, 6, 96)])  # odd Sk: v's last key alone
+def test_float32_inputs_are_rounded_as_torch_rounds_them(shape):
+    """float32 q, k, v are rounded to bf16 while they are packed: the result equals, bit for
+    bit, that of the same inputs rounded by torch first (nearest even), ties included, and
+    a value past bf16's range becomes inf there too (a ±inf score: the float32 kernel)."""
+    b, h, sq, sk, d, dv = shape
+    q, k, v = _qkv(b, h, sq, sk, d, dv, seed=4)
+    tie = torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -(1.0 + 2 ** -8)])  # halfway between two bf16 values
+    q.view(-1)[:3], k.view(-1)[:3], v.view(-1)[-3:] = tie, tie, tie
+    mask = _mask("bool", b, sq, sk)
+    rounded = [t.bfloat16().float() for t in (q, k, v)]
+    out = attention_bf16(q, k, v, mask, 0.3, False, tiles=True)
+    assert out.dtype == torch.float32 and torch.equal(out, attention_bf16(*rounded, mask, 0.3, False, tiles=True))
+    big = q.clone()
+    big[0, 0, 0, 0] = 3.4e38  # rounds up past bf16's largest finite value: inf, as torch rounds it
+    torch.testing.assert_close(attention_bf16(big, k, v, mask, 0.3, False, tiles=True),
+                               attention_f32(big, k, v, mask, 0.3, False), rtol=0, atol=0, equal_nan=True)
+
+
 def test_unsupported_head_sizes_take_the_gemm_form():
     """Dv not a multiple of 32, or an odd D: ``tiles=True`` runs the shifted-GEMM form."""
     for d, dv in ((32, 48), (33, 32)):
