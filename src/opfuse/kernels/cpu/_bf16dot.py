@@ -39,21 +39,21 @@ ROWS = 8
 COLS = 32
 
 
-def _host_has_dpbf16() -> bool:
-    """Whether numba compiles for a CPU with avx512_bf16 (the host's features, unless
-    ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` name another target)."""
+def host_has(feature: str) -> bool:
+    """Whether numba compiles for a CPU with LLVM feature ``feature`` (e.g. ``"avx512bf16"``):
+    the host's features, unless ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` name another target."""
     if numba.config.CPU_FEATURES:
-        return "+avx512bf16" in numba.config.CPU_FEATURES
+        return f"+{feature}" in numba.config.CPU_FEATURES
     if numba.config.CPU_NAME and numba.config.CPU_NAME != "host":
         return False
     try:
-        return bool(llvm.get_host_cpu_features().get("avx512bf16"))
+        return bool(llvm.get_host_cpu_features().get(feature))
     except RuntimeError:
         return False
 
 
 #: True where these tiles can run (avx512_bf16 on the CPU numba compiles for).
-AVAILABLE = _host_has_dpbf16()
+AVAILABLE = host_has("avx512bf16")
 
 
 class _BFloat(ir.Type):

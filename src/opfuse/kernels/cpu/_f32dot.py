@@ -24,34 +24,19 @@ Only for a CPU with AVX-512F (:data:`AVAILABLE`): elsewhere callers take their n
 
 from __future__ import annotations
 
-import llvmlite.binding as llvm
-import numba
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from opfuse.kernels.cpu._bf16dot import _F32, _I64, _V16F, _array, _at, _hsum, _i64, _steps
+from opfuse.kernels.cpu._bf16dot import _F32, _I64, _V16F, _array, _at, _hsum, _i64, _steps, host_has
 
 #: float32 lanes of one block (one 64-byte load).
 LANES = 16
 
 
-def _host_has_avx512f() -> bool:
-    """Whether numba compiles for a CPU with AVX-512F (the host's features, unless
-    ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` name another target)."""
-    if numba.config.CPU_FEATURES:
-        return "+avx512f" in numba.config.CPU_FEATURES
-    if numba.config.CPU_NAME and numba.config.CPU_NAME != "host":
-        return False
-    try:
-        return bool(llvm.get_host_cpu_features().get("avx512f"))
-    except RuntimeError:
-        return False
-
-
 #: True where these row kernels can run (AVX-512F on the CPU numba compiles for).
-AVAILABLE = _host_has_avx512f()
+AVAILABLE = host_has("avx512f")
 
 
 def _fma(builder, a, b, c):
